@@ -1,0 +1,228 @@
+"""One configuration record for every supported decoder family.
+
+Llama, Mistral, Qwen2, Qwen3 and Gemma 3 are one family with flags (gpt-fast style):
+the differences are biases on q/k/v, per-head q/k norms, sliding-window layers,
+scaled embeddings, sandwich norms and the MLP activation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+# Hugging Face `model_type` / `architectures` names that map onto a Folio family.
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    def __init__(self, arch: str, source: str):
+        super().__init__(
+            f"{source}: architecture {arch!r} is not supported; "
+            f"Folio runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+        self.arch = arch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    # Gemma: norms scale by (1 + w). GGUF files store w + 1 already, so the loader
+    # sets this to 0 for them.
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False  # Gemma 3: post-attention and post-MLP norms
+    query_scale: float | None = None  # softmax scale; None means 1/sqrt(head_dim)
+    sliding_window: int | None = None
+    # Per layer: "full" or "sliding".
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # rope base of sliding layers (Gemma 3)
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def kv_bytes_per_token_fp32(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+    # -- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], source: str) -> ModelConfig:
+        arch = str(meta.get("general.architecture", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(arch or "(none)", source)
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"{source}: GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        heads = int(get("attention.head_count"))
+        kv_heads = int(get("attention.head_count_kv", heads))
+        head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0) or hidden // heads)
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(meta.get("tokenizer.ggml.tokens", ()))
+        layers = int(get("block_count"))
+        common = dict(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        )
+        scaling = _gguf_rope_scaling(meta, arch)
+        if arch in ("llama", "mistral"):
+            return cls(**common, rope_scaling=scaling)
+        if arch == "qwen2":
+            return cls(**common, attention_bias=True, rope_scaling=scaling)
+        if arch == "qwen3":
+            return cls(**common, qk_norm=True, rope_scaling=scaling)
+        # gemma3
+        # llama.cpp's defaults for Gemma 3: every 6th layer global; scale 1/sqrt(head_dim).
+        window = meta.get("gemma3.attention.sliding_window")
+        pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):
+            sliding = tuple("sliding" if bool(p) else "full" for p in pattern)
+        else:
+            sliding = tuple("sliding" if (i + 1) % int(pattern) else "full" for i in range(layers))
+        return cls(
+            **common,
+            qk_norm=True,
+            hidden_act="gelu_tanh",
+            tie_word_embeddings=True,
+            norm_offset=0.0,
+            embed_scale=math.sqrt(hidden),
+            sandwich_norms=True,
+            sliding_window=int(window) if window else None,
+            layer_types=sliding,
+            rope_local_theta=10000.0,
+            rope_scaling=scaling,
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type == "gemma3" and "text_config" in cfg:
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        arch = _HF_MODEL_TYPES.get(model_type)
+        if arch is None:
+            raise UnsupportedArchitecture(model_type or "(none)", source)
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = _hf_rope(cfg)
+        layers = cfg["num_hidden_layers"]
+        common = dict(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        )
+        if arch in ("llama", "mistral", "qwen2", "qwen3"):
+            window = cfg.get("sliding_window") if arch == "mistral" else None
+            if arch == "qwen2" and cfg.get("use_sliding_window"):
+                window = cfg.get("sliding_window")
+            return cls(
+                **common,
+                rope_theta=rope["full"]["rope_theta"],
+                rope_scaling=rope["full"] if rope["full"].get("rope_type", "default") != "default" else None,
+                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch == "qwen3",
+                sliding_window=window,
+                layer_types=tuple("sliding" if window else "full" for _ in range(layers)),
+            )
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) else "full_attention"
+            for i in range(layers)
+        ]
+        return cls(
+            **common,
+            rope_theta=rope["full"]["rope_theta"],
+            rope_scaling=rope["full"] if rope["full"].get("rope_type", "default") != "default" else None,
+            rope_local_theta=rope["sliding"]["rope_theta"],
+            qk_norm=True,
+            hidden_act="gelu_tanh",
+            norm_offset=1.0,
+            embed_scale=math.sqrt(hidden),
+            sandwich_norms=True,
+            query_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+            sliding_window=cfg.get("sliding_window"),
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rope parameters for full and sliding layers, from old (`rope_theta`/`rope_scaling`)
+    or new (`rope_parameters`) style configs."""
+    params = cfg.get("rope_parameters")
+    if params and "full_attention" in params:
+        full = dict(params["full_attention"])
+        sliding = dict(params.get("sliding_attention", full))
+    elif params:
+        full = dict(params)
+        sliding = dict(params)
+    else:
+        full = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
+        full.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        sliding = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0 if "rope_local_base_freq" in cfg else 10000.0))
+    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    if "type" in full and "rope_type" not in full:
+        full["rope_type"] = full["type"]
+    return {"full": full, "sliding": sliding}
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    return None

@@ -1,0 +1,365 @@
+"""Load a model from a GGUF file or a Hugging Face safetensors folder.
+
+Weights stay int4-packed where torch has a fast CPU kernel for them (Q4_0, Q4_1,
+Q4_K in `int4` mode); everything else is dequantized once, at load, to the compute
+dtype. Every failure names the file and the problem in words a user can act on.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.gguf_file import GGUFError, GGUFFile
+from engine.model.transformer import Concat, Layer, Linear, Transformer
+from kernels.dequant import SUPPORTED_TYPES, UnsupportedTensorType, dequantize
+from kernels.head import RescoredHead
+from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
+
+WEIGHT_MODES = ("int4", "bf16", "dequant")
+DEFAULT_WEIGHT_MODE = "int4"
+
+Progress = Callable[[float, str], None]
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded; the message names the file and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    format: str  # "gguf" or "safetensors"
+    config: ModelConfig
+    model: Transformer
+    weight_mode: str
+    fingerprint: str  # identifies weights + architecture, mixed into cache root hashes
+    load_seconds: float
+    quant_types: dict[str, int] = field(default_factory=dict)  # type name -> tensor count
+    tokenizer: object | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.format == "gguf" else self.path.name
+
+
+def load_model(
+    path: str | Path,
+    weight_mode: str = DEFAULT_WEIGHT_MODE,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    load_tokenizer: bool = True,
+    head_bits: int = 4,
+) -> LoadedModel:
+    path = Path(path)
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"weight mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such model file or folder")
+    start = time.perf_counter()
+    report = progress or (lambda fraction, what: None)
+    if path.is_dir():
+        loaded = _load_hf_folder(path, dtype, report)
+    elif path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
+        loaded = _load_gguf(path, weight_mode, dtype, report, head_bits)
+    else:
+        raise ModelLoadError(
+            f"{path}: not a model Folio can read; choose a .gguf file or a folder with config.json and *.safetensors"
+        )
+    if load_tokenizer:
+        report(0.95, "tokenizer")
+        loaded.tokenizer = _load_tokenizer(loaded)
+    loaded.load_seconds = time.perf_counter() - start
+    report(1.0, "ready")
+    return loaded
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _load_tokenizer(loaded: LoadedModel):
+    from engine.model.tokenizer import Tokenizer
+
+    if loaded.format == "gguf":
+        return Tokenizer.from_gguf(loaded.path)
+    return Tokenizer.from_folder(loaded.path)
+
+
+# -- GGUF --------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progress, head_bits: int = 4) -> LoadedModel:
+    try:
+        gf = GGUFFile(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    try:
+        config = ModelConfig.from_gguf_metadata(gf.metadata, str(path))
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {exc}") from exc
+    for info in gf.tensors.values():
+        if info.qtype not in [int(t) for t in SUPPORTED_TYPES]:
+            raise ModelLoadError(
+                f"{path}: tensor {info.name!r} uses {info.type_name}, which Folio cannot read; "
+                f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+            )
+    counts: dict[str, int] = {}
+    for info in gf.tensors.values():
+        counts[info.type_name] = counts.get(info.type_name, 0) + 1
+
+    def raw(name: str) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        info = gf.tensors[name]
+        return _as_tensor(gf, name), info.qtype, info.shape
+
+    def required(name: str) -> str:
+        if name not in gf.tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing; the file is incomplete or not a {config.arch} model")
+        return name
+
+    def dense(name: str) -> torch.Tensor:
+        data, qtype, shape = raw(required(name))
+        try:
+            return dequantize(data, qtype, shape, dtype=dtype)
+        except UnsupportedTensorType as exc:
+            raise ModelLoadError(f"{path}: tensor {name!r}: {exc}") from exc
+
+    def norm(name: str) -> torch.Tensor:
+        # GGUF stores Gemma's norms as (1 + w) already: no offset here.
+        return dense(name).float()
+
+    permute_qk = config.arch == "llama"
+
+    def part(name: str, heads: int | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        data, qtype, shape = raw(required(name + ".weight"))
+        if heads is not None and permute_qk:
+            data = _unpermute_rows(data.view(shape[0], -1), heads).reshape(-1)
+        return data, qtype, shape
+
+    def int4_able(qtype: int, shape: tuple[int, ...]) -> bool:
+        return weight_mode == "int4" and int4_supported(qtype) and shape[-1] % 32 == 0
+
+    def dense_weight(data, qtype, shape) -> torch.Tensor:
+        return dequantize(data, qtype, shape, dtype=torch.bfloat16 if weight_mode == "bf16" else dtype)
+
+    def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat:
+        """One projection, or several fused along the output dim (q/k/v, gate/up)."""
+        heads = heads or (None,) * len(names)
+        parts = [part(n, h) for n, h in zip(names, heads)]
+        biases = [bias(n, s, h) for n, (_, _, s), h in zip(names, parts, heads)]
+        fused_bias = None
+        if any(b is not None for b in biases):
+            fused_bias = torch.cat([b if b is not None else torch.zeros(s[0]) for b, (_, _, s) in zip(biases, parts)])
+        if all(int4_able(q, s) for _, q, s in parts):
+            weight = int4_from_gguf_parts(parts) if len(parts) > 1 else int4_from_gguf(*parts[0])
+            return Linear(weight, fused_bias, functools.partial(_dense_parts, parts))
+        if weight_mode == "int4" and len(parts) > 1 and any(int4_able(q, s) for _, q, s in parts):
+            return Concat([linear(n, heads=(h,)) for n, h in zip(names, heads)])
+        return Linear(torch.cat([dense_weight(*p) for p in parts]), fused_bias)
+
+    def bias(name: str, shape: tuple[int, ...], heads: int | None) -> torch.Tensor | None:
+        if name + ".bias" not in gf.tensors:
+            return None
+        b = dense(name + ".bias")
+        if heads is not None and permute_qk:
+            b = _unpermute_rows(b.view(shape[0], 1), heads).reshape(-1)
+        return b
+
+    layers = []
+    for i in range(config.num_layers):
+        report(0.05 + 0.85 * i / config.num_layers, f"layer {i + 1}/{config.num_layers}")
+        p = f"blk.{i}."
+        gemma = config.arch == "gemma3"
+        layers.append(
+            Layer(
+                attn_norm=norm(p + "attn_norm.weight"),
+                qkv=linear(p + "attn_q", p + "attn_k", p + "attn_v", heads=(config.num_heads, config.num_kv_heads, None)),
+                o=linear(p + "attn_output"),
+                mlp_norm=norm(p + "ffn_norm.weight"),
+                gate_up=linear(p + "ffn_gate", p + "ffn_up"),
+                down=linear(p + "ffn_down"),
+                q_norm=norm(p + "attn_q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(p + "attn_k_norm.weight") if config.qk_norm else None,
+                post_attn_norm=norm(p + "post_attention_norm.weight") if gemma else None,
+                post_mlp_norm=norm(p + "post_ffw_norm.weight") if gemma else None,
+                sliding=config.layer_types[i] == "sliding",
+            )
+        )
+    embedding = dense("token_embd.weight")
+    if "output.weight" in gf.tensors:
+        lm_head = linear("output")
+    else:
+        lm_head = Linear(embedding)
+    if weight_mode == "int4" and isinstance(lm_head, Linear) and lm_head.bias is None and lm_head.weight.dtype == torch.float32:
+        # The head is the largest matrix read at every decode step: score with a quantized
+        # copy, recompute the leading logits exactly (kernels/head.py).
+        lm_head = RescoredHead(lm_head.weight, bits=head_bits)
+    factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
+    model = Transformer(config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype)
+    return LoadedModel(
+        path=path,
+        format="gguf",
+        config=config,
+        model=model,
+        weight_mode=weight_mode,
+        fingerprint=_fingerprint(path, config),
+        load_seconds=0.0,
+        quant_types=counts,
+    )
+
+
+def _dense_parts(parts: list[tuple[torch.Tensor, int, tuple[int, ...]]]) -> torch.Tensor:
+    dense = [dequantize(data, qtype, shape) for data, qtype, shape in parts]
+    return dense[0] if len(dense) == 1 else torch.cat(dense)
+
+
+def _as_tensor(gf: GGUFFile, name: str) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memmap: we never write to it
+        return torch.from_numpy(gf.tensor_bytes(name))
+
+
+def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (rope pairs interleaved -> rotate-half halves)."""
+    n = rows.shape[0]
+    dim = n // n_head // 2
+    return rows.reshape(n_head, dim, 2, -1).transpose(1, 2).reshape(n, -1)
+
+
+def _fingerprint(path: Path, config: ModelConfig) -> str:
+    st = path.stat()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(config).encode())
+    h.update(f"{path.name}:{st.st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+# -- Hugging Face safetensors folders ------------------------------------------------------
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{folder}: no config.json; a Hugging Face model folder needs config.json, tokenizer.json and *.safetensors")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+    config = ModelConfig.from_hf_config(hf_config, str(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
+    index: dict[str, Path] = {}
+    handles = {}
+    for f in files:
+        try:
+            handles[f] = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError, Exception) as exc:  # safetensors raises several types
+            raise ModelLoadError(f"{f}: cannot read the weights ({exc}); the file is damaged: download it again") from exc
+        for key in handles[f].keys():
+            index[_strip_prefix(key)] = f
+
+    def get(name: str) -> torch.Tensor:
+        if name not in index:
+            raise ModelLoadError(f"{folder}: tensor {name!r} is missing from the safetensors files")
+        return handles[index[name]].get_tensor(_full_key(handles[index[name]], name)).to(dtype)
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return get(name) if name in index else None
+
+    def norm(name: str) -> torch.Tensor:
+        return get(name).float() + config.norm_offset
+
+    def linear(*names: str) -> Linear:
+        """One projection, or several fused along the output dim (q/k/v, gate/up)."""
+        weights = [get(n + ".weight") for n in names]
+        biases = [maybe(n + ".bias") for n in names]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=dtype) for b, w in zip(biases, weights)])
+        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+
+    gemma = config.arch == "gemma3"
+    layers = []
+    for i in range(config.num_layers):
+        report(0.05 + 0.85 * i / config.num_layers, f"layer {i + 1}/{config.num_layers}")
+        p = f"layers.{i}."
+        layers.append(
+            Layer(
+                attn_norm=norm(p + "input_layernorm.weight"),
+                qkv=linear(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                o=linear(p + "self_attn.o_proj"),
+                mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+                gate_up=linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                down=linear(p + "mlp.down_proj"),
+                q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+                post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
+                sliding=config.layer_types[i] == "sliding",
+            )
+        )
+    embedding = get("embed_tokens.weight")
+    if config.tie_word_embeddings or "lm_head.weight" not in index:
+        lm_head = Linear(embedding)
+    else:
+        lm_head = Linear(get("lm_head.weight"))
+    model = Transformer(config, embedding, layers, norm("norm.weight"), lm_head, None, dtype)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(config).encode())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    counts: dict[str, int] = {}
+    for handle in handles.values():
+        for key in handle.keys():
+            dt = str(handle.get_slice(key).get_dtype())
+            counts[dt] = counts.get(dt, 0) + 1
+    return LoadedModel(
+        path=folder,
+        format="safetensors",
+        config=config,
+        model=model,
+        weight_mode="dequant",
+        fingerprint=h.hexdigest(),
+        load_seconds=0.0,
+        quant_types=counts,
+    )
+
+
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def _full_key(handle, short: str) -> str:
+    keys = handle.keys()
+    if short in keys:
+        return short
+    for prefix in _PREFIXES:
+        if prefix + short in keys:
+            return prefix + short
+    raise KeyError(short)

