@@ -36,6 +36,7 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--model", type=Path)
     fwd.add_argument("--prefill-tokens", type=int, default=512)
     fwd.add_argument("--decode-tokens", type=int, default=64)
+    fwd.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is the best")
     fwd.add_argument("--skip-transformers", action="store_true")
     return parser
 

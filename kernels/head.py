@@ -7,8 +7,11 @@ candidates exactly from the fp32 table that the embedding already keeps. Greedy
 decoding and top-k / top-p sampling depend on those leading logits, which come out
 exact; the quantization error stays in the tail.
 
-Measured on SmolLM2 (512 tokens of text): a plain int8 head agreed with the fp32
-argmax on 95.5% of positions; rescored, int4 or int8, on the same positions as fp32.
+Measured on SmolLM2 (512 tokens of prose): a plain int8 head agreed with the fp32
+argmax on 95.5% of positions; rescored, int4 or int8, it agrees wherever the fp32 head
+would (the remaining differences come from the int4 layers). Over the whole vocabulary
+the int4 copy's logits are off by ~9% (int8: ~1%), which moves only the probabilities
+of tokens outside the leading 256.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from kernels.int8 import Int8Weight, int8_from_dense, int8_linear
 class RescoredHead:
     __slots__ = ("approx", "exact", "rescore")
 
-    def __init__(self, exact: torch.Tensor, bits: int = 4, rescore: int = 128):
+    def __init__(self, exact: torch.Tensor, bits: int = 4, rescore: int = 256):
         if bits not in (4, 8):
             raise ValueError(f"head bits must be 4 or 8, not {bits}")
         self.exact = exact  # [N, K] fp32, usually shared with the embedding table

@@ -1,0 +1,67 @@
+"""The command-line contract that scripts rely on (`folio generate`, `folio models fetch-default`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+from engine.generate import generate
+
+pytestmark = pytest.mark.slow
+
+
+def test_generate_json_contract(smollm2_path, smollm2_int4, capsys):
+    code = main(["generate", "Name a colour.", "--model", str(smollm2_path), "--max-new-tokens", "12",
+                 "--temperature", "0", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("text", "token_ids", "prompt_tokens", "cached_tokens", "new_tokens", "eos_reason",
+                "time_prefill", "time_generate"):
+        assert key in out, key
+    tok = smollm2_int4.tokenizer
+    assert out["prompt_tokens"] == len(tok.encode_chat([{"role": "user", "content": "Name a colour."}]))
+    assert out["new_tokens"] == len(out["token_ids"]) <= 12
+    assert out["cached_tokens"] == 0
+    if out["eos_reason"] == "stop_token":
+        assert out["token_ids"][-1] in tok.eos_token_ids
+    else:
+        assert out["eos_reason"] == "max_new_tokens" and out["new_tokens"] == 12
+    assert out["text"] == tok.decode([t for t in out["token_ids"] if t not in tok.eos_token_ids])
+
+
+def test_generate_streams_text_and_is_reproducible(smollm2_path, capsys):
+    args = ["generate", "Tell me a fact about owls.", "--model", str(smollm2_path), "--max-new-tokens", "16",
+            "--temperature", "0.8", "--seed", "7"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.strip()
+    assert main([*args[:-1], "8"]) == 0  # another seed: (almost surely) another reply
+    assert capsys.readouterr().out != first
+
+
+def test_greedy_temperature_zero_is_deterministic(smollm2_path, capsys):
+    args = ["generate", "Count to five.", "--model", str(smollm2_path), "--max-new-tokens", "10", "--temperature", "0", "--json"]
+    main(args)
+    a = json.loads(capsys.readouterr().out)["token_ids"]
+    main([*args, "--seed", "123"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == a
+
+
+def test_fetch_default_prints_path(smollm2_path, capsys):
+    assert main(["models", "fetch-default"]) == 0
+    assert capsys.readouterr().out.strip() == str(smollm2_path)
+
+
+def test_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "hi", "--model", str(tmp_path / "none.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "no such model" in err and "none.gguf" in err
+
+
+def test_prompt_longer_than_context(smollm2_int4):
+    limit = smollm2_int4.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"{limit + 5} tokens but the model's context holds {limit}"):
+        next(generate(smollm2_int4, [1] * (limit + 5), max_new_tokens=4))
