@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generate import SequenceRunner
 from engine.model.loader import WEIGHT_MODES, load_model
-from engine.model.transformer import KVCache
 
 
 def _emit(record: dict) -> None:
@@ -41,17 +42,23 @@ def _folio_case(path: Path, mode: str) -> _Case:
     t = time.perf_counter()
     loaded = load_model(path, weight_mode=mode, load_tokenizer=False)
     load_s = time.perf_counter() - t
-    model, config = loaded.model, loaded.config
+    config = loaded.config
+
+    cache = KVCache.for_model(loaded, CacheSettings(token_budget=8192))
 
     def run(prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
-        ids = _prompt(config.vocab_size, prefill_tokens)
-        cache = KVCache(config, 1, prefill_tokens + decode_tokens + 1)
+        ids = _prompt(config.vocab_size, prefill_tokens)[0].tolist()
+        cache.pages.clear()  # measure prefill, not prefix-cache hits of the last round
         t0 = time.perf_counter()
-        token = int(model.forward(ids, cache)[0].argmax())
+        runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1)
+        token = int(runner.step().argmax())
         t1 = time.perf_counter()
         for _ in range(decode_tokens):
-            token = int(model.forward(torch.tensor([[token]]), cache)[0].argmax())
-        return t1 - t0, time.perf_counter() - t1
+            runner.append(token)
+            token = int(runner.step().argmax())
+        t2 = time.perf_counter()
+        runner.release()
+        return t1 - t0, t2 - t1
 
     return _Case("folio", mode, load_s, loaded.weight_bytes, run)
 

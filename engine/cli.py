@@ -38,6 +38,14 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--decode-tokens", type=int, default=64)
     fwd.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is the best")
     fwd.add_argument("--skip-transformers", action="store_true")
+    cache = bsub.add_parser("cache", help="page table and cache storage speed, KV bytes per token")
+    cache.add_argument("--pages", type=int, default=4096)
+    cache.add_argument("--page-size", type=int, default=16)
+    cache.add_argument("--rounds", type=int, default=20)
+    cache.add_argument("--tier-pages", type=int, default=8)
+    kvq = bsub.add_parser("kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)")
+    kvq.add_argument("--model", type=Path)
+    kvq.add_argument("--tokens", type=int, default=4096)
     return parser
 
 
@@ -49,9 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return _models(args)
         if args.command == "bench":
-            from engine.bench import run_forward_bench
+            if args.bench_command == "cache":
+                from engine.bench_cache import run_cache_bench
 
-            run_forward_bench(args)
+                run_cache_bench(args)
+            elif args.bench_command == "kv-quant":
+                from engine.perplexity import run_kv_quant_bench
+
+                run_kv_quant_bench(args)
+            else:
+                from engine.bench import run_forward_bench
+
+                run_forward_bench(args)
             return 0
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""Single-sequence generation on a contiguous KV cache.
+"""Single-sequence generation on the paged KV cache.
 
-This is the first, simple path behind `folio generate`; the paged cache and the
-continuous-batching generator replace it.
+`SequenceRunner` is one sequence's life on the cache (allocate, feed, record pages,
+release); `generate` streams a reply with it. The continuous-batching generator
+builds on the same pieces for many sequences at once.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.kv_cache import CacheSettings, KVCache, StepBatch
 from engine.model.loader import LoadedModel
-from engine.model.transformer import KVCache
 
 
 @dataclass
@@ -62,6 +63,46 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class SequenceRunner:
+    """One sequence on a paged cache: its pages, the tokens whose K/V are stored, and
+    the page table's bookkeeping after each step (fills, content hashes)."""
+
+    def __init__(self, loaded: LoadedModel, cache: KVCache, prompt_ids: list[int], max_new_tokens: int = 0, job_id: int = 0):
+        self.model = loaded.model
+        self.cache = cache
+        self.tokens = [int(t) for t in prompt_ids]
+        self.alloc = cache.pages.allocate(job_id, self.tokens, max_rq_tokens=max_new_tokens)
+        self.stored = self.alloc.cached_tokens  # leading tokens whose K/V are in the cache
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.alloc.cached_tokens
+
+    def step(self, count: int | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Run the next `count` tokens not yet in the cache (default: all of them).
+        Returns the logits of the last one [vocab], or of each [count, vocab]."""
+        start = self.stored
+        count = len(self.tokens) - start if count is None else count
+        if count < 1 or start + count > len(self.tokens):
+            raise ValueError(f"cannot run {count} tokens from {start} of {len(self.tokens)}")
+        ps = self.cache.page_size
+        for logical in range(start // ps, (start + count - 1) // ps + 1):
+            self.cache.pages.ensure_writable(self.alloc, logical)
+        batch = StepBatch.build([(self.alloc.block_table, start, count)], ps, all_logits)
+        logits = self.model.forward(torch.tensor(self.tokens[start : start + count]), batch, self.cache)
+        self.stored = start + count
+        for logical in range(start // ps, (self.stored - 1) // ps + 1):
+            fill = min(ps, self.stored - logical * ps)
+            self.cache.pages.mark_filled(self.alloc, logical, self.tokens[logical * ps : logical * ps + fill], fill)
+        return logits if all_logits else logits[0]
+
+    def append(self, token: int) -> None:
+        self.tokens.append(int(token))
+
+    def release(self) -> None:
+        self.cache.pages.release(self.alloc)
+
+
 def generate(
     loaded: LoadedModel,
     prompt_ids: list[int],
@@ -70,8 +111,12 @@ def generate(
     seed: int | None = None,
     stop_token_ids: list[int] | None = None,
     completion: Completion | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[str]:
-    """Yield text deltas as they become complete; fill `completion` with the result."""
+    """Yield text deltas as they become complete; fill `completion` with the result.
+
+    With a `cache` that outlives the call, a prompt that shares pages with an earlier
+    one reuses their K/V (`completion.cached_tokens`)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     out = completion if completion is not None else Completion()
@@ -84,30 +129,38 @@ def generate(
             f"the prompt has {len(prompt_ids)} tokens but the model's context holds {limit}: shorten it"
         )
     max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
-    cache = KVCache(loaded.config, 1, len(prompt_ids) + max_new_tokens, dtype=loaded.model.dtype)
+    if cache is None:
+        ps = CacheSettings().page_size
+        pages = -(-(len(prompt_ids) + max_new_tokens) // ps)
+        cache = KVCache.for_model(loaded, CacheSettings(token_budget=pages * ps))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    decoder = tokenizer.IncrementalDecoder(tokenizer) if hasattr(tokenizer, "IncrementalDecoder") else None
+    decoder = tokenizer.incremental_decoder()
 
     t0 = time.perf_counter()
-    logits = loaded.model.forward(torch.tensor([prompt_ids]), cache)[0]
-    out.time_prefill = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    out.eos_reason = "max_new_tokens"
-    for step in range(max_new_tokens):
-        token = sample(logits, temperature, generator)
-        out.token_ids.append(token)
-        if token in stops:
-            out.eos_reason = "stop_token"
-            break
-        delta = decoder.feed([token]) if decoder else tokenizer.decode([token])
-        if delta:
-            out.text += delta
-            yield delta
-        if step + 1 < max_new_tokens:
-            logits = loaded.model.forward(torch.tensor([[token]]), cache)[0]
-    if decoder:
-        rest = decoder.flush()
-        if rest:
-            out.text += rest
-            yield rest
-    out.time_generate = time.perf_counter() - t1
+    runner = SequenceRunner(loaded, cache, prompt_ids, max_new_tokens)
+    try:
+        out.cached_tokens = runner.cached_tokens
+        logits = runner.step()
+        out.time_prefill = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        out.eos_reason = "max_new_tokens"
+        for step in range(max_new_tokens):
+            token = sample(logits, temperature, generator)
+            out.token_ids.append(token)
+            if token in stops:
+                out.eos_reason = "stop_token"
+                break
+            delta = decoder.feed(token)
+            if delta:
+                out.text += delta
+                yield delta
+            if step + 1 < max_new_tokens:
+                runner.append(token)
+                logits = runner.step()
+        out.time_generate = time.perf_counter() - t1
+    finally:
+        runner.release()
+    rest = decoder.flush()
+    if rest:
+        out.text += rest
+        yield rest

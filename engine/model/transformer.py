@@ -2,8 +2,8 @@
 
 The model does not know how its weights are stored: every projection is a `Linear`
 that holds either a dense tensor or an int4-packed weight (kernels/int4.py). Attention
-reads and writes K/V through a cache object, so the KV layout (contiguous here, paged
-later) stays out of the model.
+reads and writes K/V through the paged cache (engine/cache/kv_cache.py), so which pages
+are shared, cached or quantized stays out of the model.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cache.kv_cache import KVCache, StepBatch
 from engine.model.config import ModelConfig
 from kernels.head import RescoredHead
 from kernels.int4 import Int4Weight, int4_linear
@@ -163,27 +164,10 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    """x: [T, H, D]; cos/sin: [T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
-
-
-class KVCache:
-    """Contiguous per-layer K/V for a batch of sequences that advance together.
-
-    Shapes [B, kv_heads, max_len, head_dim]; the paged cache replaces this class.
-    """
-
-    def __init__(self, config: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32):
-        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.max_len = max_len
-        self.length = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class Transformer:
@@ -222,42 +206,19 @@ class Transformer:
         return n
 
     @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        logits_for: str = "last",
-    ) -> torch.Tensor:
-        """Run tokens [B, T] starting at position cache.length; append their K/V.
-
-        Returns logits [B, T, vocab] (logits_for="all") or [B, vocab] for the last
-        position (the default: prefill needs only the next token's distribution).
-        """
+    def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """Run one step: `tokens` [T] are the new tokens of every sequence in `batch`,
+        concatenated; their K/V are written into the paged cache. Returns logits
+        [R, vocab] for the rows `batch.logits_rows` (usually each sequence's last)."""
         cfg = self.config
-        bsz, t = tokens.shape
-        start = cache.length
-        if start + t > cache.max_len:
-            raise ValueError(f"sequence of {start + t} tokens does not fit the cache of {cache.max_len}")
-        positions = torch.arange(start, start + t).unsqueeze(0).expand(bsz, t)
         x = F.embedding(tokens, self.embedding).to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        cos, sin = self.rope.tables(positions)
-        if self.rope_local is not self.rope:
-            cos_l, sin_l = self.rope_local.tables(positions)
-        else:
-            cos_l, sin_l = cos, sin
-        masks = {
-            "full": _attention_mask(start, t, None),
-            "sliding": _attention_mask(start, t, cfg.sliding_window),
-        }
+        rope = self.rope.tables(batch.positions)
+        rope_local = self.rope_local.tables(batch.positions) if self.rope_local is not self.rope else rope
         for i, layer in enumerate(self.layers):
-            kind = "sliding" if layer.sliding else "full"
-            c, s = (cos_l, sin_l) if layer.sliding else (cos, sin)
-            x = self._layer(layer, x, cache, i, start, c, s, masks[kind])
-        cache.length = start + t
-        if logits_for == "last":
-            x = x[:, -1]
+            x = self._layer(layer, i, x, batch, cache, rope_local if layer.sliding else rope)
+        x = x[batch.logits_rows]
         x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         logits = self.lm_head(x).float()
         if cfg.final_logit_softcapping:
@@ -265,10 +226,10 @@ class Transformer:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _layer(self, layer: Layer, x, cache: KVCache, index: int, start: int, cos, sin, mask):
+    def _layer(self, layer: Layer, index: int, x, batch: StepBatch, cache: KVCache, rope):
         cfg = self.config
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        h = self._attention(layer, h, cache, index, start, cos, sin, mask)
+        h = self._attention(layer, index, h, batch, cache, rope)
         if layer.post_attn_norm is not None:
             h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
         x = x + h
@@ -280,44 +241,23 @@ class Transformer:
             h = rms_norm(h, layer.post_mlp_norm, cfg.rms_norm_eps)
         return x + h
 
-    def _attention(self, layer: Layer, h, cache: KVCache, index: int, start: int, cos, sin, mask):
+    def _attention(self, layer: Layer, index: int, h, batch: StepBatch, cache: KVCache, rope):
         cfg = self.config
-        bsz, t, _ = h.shape
+        t = h.shape[0]
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-        qkv = layer.qkv(h).view(bsz, t, heads + 2 * kv_heads, cfg.head_dim)
-        qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
+        qkv = layer.qkv(h).view(t, heads + 2 * kv_heads, cfg.head_dim)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
         if layer.q_norm is not None:
             qk = torch.cat(
                 (
-                    rms_norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
-                    rms_norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps),
+                    rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps),
+                    rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps),
                 ),
-                dim=2,
+                dim=1,
             )
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
-        q, k = qk[:, :, :heads], qk[:, :, heads:]
-        kc, vc = cache.k[index], cache.v[index]
-        kc[:, :, start : start + t] = k.transpose(1, 2)
-        vc[:, :, start : start + t] = v.transpose(1, 2)
-        end = start + t
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            kc[:, :, :end],
-            vc[:, :, :end],
-            attn_mask=mask,
-            scale=cfg.softmax_scale,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )
-        return layer.o(out.transpose(1, 2).reshape(bsz, t, cfg.num_heads * cfg.head_dim))
-
-
-def _attention_mask(start: int, t: int, window: int | None) -> torch.Tensor | None:
-    """Boolean mask [t, start + t] (True = attend): causal, and within `window` tokens."""
-    if t == 1 and (window is None or start + 1 <= window):
-        return None
-    q_pos = torch.arange(start, start + t).unsqueeze(1)
-    k_pos = torch.arange(start + t).unsqueeze(0)
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= q_pos - k_pos < window
-    return mask
+        qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
+        q, k = qk[:, :heads], qk[:, heads:]
+        cache.write(index, k, v, batch)
+        window = cfg.sliding_window if layer.sliding else None
+        out = cache.attend(index, q, batch, cfg.softmax_scale, window)
+        return layer.o(out.reshape(t, heads * cfg.head_dim))

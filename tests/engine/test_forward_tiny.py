@@ -6,8 +6,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generate import SequenceRunner
 from engine.model.loader import load_model
-from engine.model.transformer import KVCache
 from tests.engine.tiny_models import FAMILIES, make_hf_model, save_hf_folder, write_gguf
 
 PROMPT_LEN = 21  # longer than Gemma's test sliding window (8), not a multiple of anything
@@ -18,16 +19,18 @@ def _reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits[0].float()
 
 
-def _folio_logits(loaded, ids: torch.Tensor, chunks: tuple[int, ...] = ()) -> torch.Tensor:
-    """Logits for every position, fed in the given chunk sizes (the rest in one go)."""
-    cache = KVCache(loaded.config, 1, ids.shape[1])
-    out, pos = [], 0
+def _folio_logits(loaded, ids: torch.Tensor, chunks: tuple[int, ...] = (), page_size: int = 16) -> torch.Tensor:
+    """Logits for every position through the paged cache (16-token pages, so prompts
+    cross page boundaries), fed in the given chunk sizes (the rest in one go)."""
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=page_size, token_budget=4 * ids.shape[1]))
+    runner = SequenceRunner(loaded, cache, ids[0].tolist())
+    out = []
     for size in (*chunks, ids.shape[1]):
-        if pos >= ids.shape[1]:
+        size = min(size, ids.shape[1] - runner.stored)
+        if size <= 0:
             break
-        piece = ids[:, pos : pos + size]
-        out.append(loaded.model.forward(piece, cache, logits_for="all")[0])
-        pos += piece.shape[1]
+        out.append(runner.step(size, all_logits=True))
+    cache.pages.validate()
     return torch.cat(out)
 
 

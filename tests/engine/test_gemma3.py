@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generate import SequenceRunner
 from engine.model.loader import load_model
-from engine.model.transformer import KVCache
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +43,9 @@ def test_gemma3_logits_match_transformers(gemma3, gemma3_hf):
     ids = torch.tensor([ids])
     with torch.no_grad():
         ref = gemma3_hf(ids).logits[0]
-    cache = KVCache(gemma3.config, 1, ids.shape[1])
-    ours = torch.cat(
-        [gemma3.model.forward(ids[:, :550], cache, logits_for="all")[0], gemma3.model.forward(ids[:, 550:], cache, logits_for="all")[0]]
-    )
+    cache = KVCache.for_model(gemma3, CacheSettings(page_size=128, token_budget=640))
+    runner = SequenceRunner(gemma3, cache, ids[0].tolist())
+    ours = torch.cat([runner.step(550, all_logits=True), runner.step(50, all_logits=True)])
     err = ((ours - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.999

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import Completion, generate
-from engine.model.transformer import KVCache
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generate import Completion, SequenceRunner, generate
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,10 @@ def _text_ids(tokenizer, n: int) -> torch.Tensor:
 
 def _all_logits(loaded, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Logits at every position, the prompt fed in one go or `chunk` tokens at a time."""
-    cache = KVCache(loaded.config, 1, ids.shape[1])
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=64, token_budget=ids.shape[1]))
+    runner = SequenceRunner(loaded, cache, ids[0].tolist())
     step = chunk or ids.shape[1]
-    return torch.cat(
-        [loaded.model.forward(ids[:, i : i + step], cache, logits_for="all")[0] for i in range(0, ids.shape[1], step)]
-    )
+    return torch.cat([runner.step(min(step, ids.shape[1] - i), all_logits=True) for i in range(0, ids.shape[1], step)])
 
 
 def test_dequant_logits_match_transformers(smollm2_dequant, smollm2_hf):

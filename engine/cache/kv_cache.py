@@ -1,0 +1,148 @@
+"""The paged KV cache a model runs on: storage, page table and host tier behind one
+object, plus `StepBatch`, the description of one forward step over several sequences.
+
+The model writes each new token's K/V at its (page, slot) and attends through block
+tables; it never sees which pages are shared, cached or restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.cache.host_tier import HostTier
+from engine.cache.page import CacheFingerprint
+from engine.cache.page_table import PageTable
+from engine.cache.storage import PagedKVStorage, kvformat_allocator
+from kernels.kvquant import KVFormat, quantize_into
+from kernels.paged_attention import (
+    decode_numba_unchecked,
+    numba_supported,
+    paged_attention_dispatch,
+)
+
+DEFAULT_PAGE_SIZE = 256
+DEFAULT_TOKEN_BUDGET = 16384
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    page_size: int = DEFAULT_PAGE_SIZE
+    token_budget: int | None = DEFAULT_TOKEN_BUDGET  # pages = budget / page_size
+    byte_budget: int | None = None  # wins over token_budget when set
+    k_bits: int | None = None  # None: fp32; 2..8: quantized (kernels/kvquant.py)
+    v_bits: int | None = None
+    host_bytes: int = 0  # host-tier budget; 0 disables the tier
+    eviction: str = "tail_first"
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if ps < 16 or ps > 1024 or ps & (ps - 1):
+            raise ValueError(f"page size must be a power of two from 16 to 1024, not {ps}")
+
+
+@dataclass
+class StepBatch:
+    """One forward step: sequence b brings q_lens[b] new tokens at the end of its
+    seq_lens[b]-token context. Rows of every per-token tensor are the new tokens of all
+    sequences, concatenated in batch order."""
+
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    write_pages: torch.Tensor  # [T] physical page each new token's K/V goes to
+    write_slots: torch.Tensor  # [T] row inside that page
+    block_tables: torch.Tensor  # [B, max_pages], -1 padded
+    seq_lens: torch.Tensor  # [B]
+    q_lens: torch.Tensor  # [B]
+    logits_rows: torch.Tensor  # [R] rows whose logits are wanted
+    decode_only: bool = False  # every sequence brings exactly one token
+    host: tuple[np.ndarray, np.ndarray] | None = None  # int64 block tables, seq lens for CPU kernels
+
+    @classmethod
+    def build(
+        cls,
+        sequences: Sequence[tuple[Sequence[int], int, int]],
+        page_size: int,
+        all_logits: bool = False,
+    ) -> StepBatch:
+        """`sequences`: (block table, tokens already in the cache, new tokens) each."""
+        positions, pages, slots = [], [], []
+        width = max(len(table) for table, _, _ in sequences)
+        tables = torch.full((len(sequences), width), -1, dtype=torch.int64)
+        for b, (table, start, count) in enumerate(sequences):
+            if start + count > len(table) * page_size:
+                raise ValueError(f"sequence {b}: {start + count} tokens exceed its {len(table)} pages")
+            table_t = torch.as_tensor(table, dtype=torch.int64)
+            tables[b, : len(table)] = table_t
+            pos = torch.arange(start, start + count)
+            positions.append(pos)
+            pages.append(table_t[pos // page_size])
+            slots.append(pos % page_size)
+        q_lens = torch.tensor([count for _, _, count in sequences])
+        seq_lens = torch.tensor([start + count for _, start, count in sequences])
+        total = int(q_lens.sum())
+        rows = torch.arange(total) if all_logits else torch.cumsum(q_lens, 0) - 1
+        decode_only = total == len(sequences)
+        host = (tables.numpy(), seq_lens.numpy()) if decode_only else None
+        return cls(torch.cat(positions), torch.cat(pages), torch.cat(slots), tables, seq_lens, q_lens, rows, decode_only, host)
+
+
+class KVCache:
+    """Paged K/V for every layer of one model, with the page table that owns the pages."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, fingerprint: str, settings: CacheSettings):
+        self.settings = settings
+        self.page_size = settings.page_size
+        self.fmt_k = KVFormat(bits=settings.k_bits)
+        self.fmt_v = KVFormat(bits=settings.v_bits)
+        k_alloc = kvformat_allocator(self.fmt_k, kv_heads, head_dim)
+        v_alloc = kvformat_allocator(self.fmt_v, kv_heads, head_dim)
+        if settings.byte_budget is not None:
+            self.storage = PagedKVStorage.from_byte_budget(num_layers, settings.byte_budget, self.page_size, k_alloc, v_alloc)
+        else:
+            tokens = settings.token_budget or DEFAULT_TOKEN_BUDGET
+            self.storage = PagedKVStorage.from_token_budget(num_layers, tokens, self.page_size, k_alloc, v_alloc)
+        host = HostTier(settings.host_bytes, self.storage) if settings.host_bytes else None
+        self.fingerprint = CacheFingerprint(fingerprint, self.page_size, settings.k_bits or 32, settings.v_bits or 32)
+        self.pages = PageTable(self.storage.num_pages, self.page_size, self.fingerprint, self.storage, host, settings.eviction)
+        probe = torch.empty(1, 1, head_dim)
+        self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
+
+    @classmethod
+    def for_model(cls, loaded, settings: CacheSettings | None = None) -> KVCache:
+        cfg = loaded.config
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.fingerprint, settings or CacheSettings())
+
+    @property
+    def num_pages(self) -> int:
+        return self.storage.num_pages
+
+    def nbytes(self) -> int:
+        return self.storage.nbytes()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
+        """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their slots."""
+        quantize_into(self.fmt_k, self.storage.k[layer], batch.write_pages, batch.write_slots, k)
+        quantize_into(self.fmt_v, self.storage.v[layer], batch.write_pages, batch.write_slots, v)
+
+    def attend(self, layer: int, q: torch.Tensor, batch: StepBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """Attention of the new tokens' queries [T, heads, head_dim] over their contexts."""
+        if batch.host is not None and self.numba_decode:
+            # A decode step, validated once by StepBatch.build for all layers.
+            return decode_numba_unchecked(
+                q, self.storage.k[layer], self.storage.v[layer], self.fmt_k, self.fmt_v, *batch.host, scale, sliding_window
+            )
+        return paged_attention_dispatch(
+            q,
+            self.storage.k[layer],
+            self.storage.v[layer],
+            self.fmt_k,
+            self.fmt_v,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.q_lens,
+            scale,
+            sliding_window,
+        )

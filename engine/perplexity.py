@@ -1,0 +1,71 @@
+"""Perplexity of a model over a text, through the paged cache in any cache format.
+
+The yardstick for KV-cache quantization (ENGINE_SPEC §6): the same text, the same
+weights, only the cache format changes. The default text is Python's own
+`pydoc_data.topics` (English prose about Python, shipped with every Python), so the
+figure is reproducible anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generate import SequenceRunner
+from engine.model.loader import LoadedModel
+
+
+def reference_text() -> str:
+    import pydoc_data.topics as topics
+
+    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def perplexity(
+    loaded: LoadedModel,
+    ids: list[int],
+    k_bits: int | None = None,
+    v_bits: int | None = None,
+    chunk: int = 512,
+    page_size: int = 256,
+) -> float:
+    """exp(mean negative log-likelihood) of ids[1:] given their prefixes, fed in chunks
+    so that every chunk attends to the earlier ones through the (quantized) pages."""
+    settings = CacheSettings(page_size=page_size, token_budget=len(ids) + page_size, k_bits=k_bits, v_bits=v_bits)
+    cache = KVCache.for_model(loaded, settings)
+    runner = SequenceRunner(loaded, cache, ids)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids), chunk):
+        size = min(chunk, len(ids) - start)
+        logits = runner.step(size, all_logits=True)
+        targets = torch.tensor(ids[start + 1 : start + size + 1])
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+        count += len(targets)
+    runner.release()
+    return math.exp(nll / count)
+
+
+def run_kv_quant_bench(args) -> None:
+    """`folio bench kv-quant`: perplexity and KV bytes per token for each cache format."""
+    import json
+
+    from engine.cli import _model_path
+    from engine.model.loader import load_model
+    from kernels.kvquant import KVFormat
+
+    loaded = load_model(_model_path(args.model))
+    ids = loaded.tokenizer.encode(reference_text())[: args.tokens]
+    cfg = loaded.config
+    base = None
+    for bits in (None, 8, 6, 4, 2):
+        ppl = perplexity(loaded, ids, k_bits=bits, v_bits=bits)
+        base = base or ppl
+        fmt = KVFormat(bits=bits)
+        per_token = 2 * cfg.num_layers * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
+        print(json.dumps({
+            "bench": "kv-quant", "model": loaded.name, "tokens": len(ids), "cache_bits": bits or 32,
+            "perplexity": round(ppl, 4), "vs_fp32": round(ppl / base - 1, 5), "kv_bytes_per_token": per_token,
+        }), flush=True)

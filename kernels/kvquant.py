@@ -1,0 +1,237 @@
+"""KV-cache quantization (ENGINE_SPEC §6): Hadamard-rotated groups of 32, b-bit midpoint codes.
+
+Each token's K (or V) vector, flattened over ``kv_heads x head_dim``, is cut into groups of
+32 consecutive values.  Folio requires ``head_dim % 32 == 0`` for quantized formats (stricter
+than ``kv_heads * head_dim % 32 == 0``) so that no group straddles two heads: the stores
+keep a kv_heads axis and kernels work head by head.  SmolLM2 (64), Llama/Qwen (64 or 128)
+and Gemma 3 (256) qualify; a head_dim-80 model (Phi-2) would need an unquantized cache.  A group ``x`` is rotated, ``y = x @ H`` with ``H`` the 32x32
+Sylvester-Hadamard matrix scaled by ``1/sqrt(32)`` (orthogonal and symmetric, so ``H`` is
+its own inverse), which spreads an outlier over the whole group.  Then, with
+``s = absmax(y) + 1e-10`` stored as fp16 and ``m = 2^(b-1)``::
+
+    q = clamp(floor(y / s * m + m), 0, 2^b - 1)        y' = (q - m + 0.5) * s / m
+
+and the value read back is ``y' @ H``.  The fp16-rounded scale is used on both sides so
+that quantizing and dequantizing agree exactly.
+
+Packing is bit-exact dense: the 32 codes of a group are 32*b bits, i.e. exactly ``b``
+int32 words; code ``i`` occupies bits ``[i*b, (i+1)*b)`` of that little-endian bit string
+(it may straddle two words when ``b`` does not divide 32).  Per token that is
+``G * (4*b + 2)`` bytes with ``G = kv_heads * head_dim / 32`` (codes plus one fp16 scale
+per group), against ``128 * G`` for fp32 and ``64 * G`` for fp16.  SmolLM2 (3 KV heads x 64,
+G = 6): 8-bit 204, 4-bit 108, 2-bit 60 bytes per token per layer for each of K and V,
+against fp32 768 and fp16 384.
+
+Because ``H`` is orthogonal, attention can also run in the rotated domain without ever
+rotating keys back: ``q . (y' H) = (q H) . y'`` per group, and ``sum_j p_j (y'_j H) =
+(sum_j p_j y'_j) H``; :func:`rotate` is exposed for kernels that do so.
+
+Page-pool layout (every tensor starts with ``[num_pages, page_size]`` so that a page is
+copied by indexing the first dimension):
+
+* unquantized: ``{"data": dtype [P, S, kv_heads, head_dim]}``
+* quantized:   ``{"codes": int32 [P, S, kv_heads, Gh, b], "scales": float16 [P, S, kv_heads, Gh]}``
+  with ``Gh = head_dim / 32`` groups per head
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+__all__ = [
+    "GROUP_SIZE",
+    "KVFormat",
+    "allocate_pages",
+    "dequantize",
+    "dequantize_pages",
+    "dequantize_rotated",
+    "hadamard",
+    "pack_codes",
+    "quantize",
+    "quantize_into",
+    "rotate",
+    "unpack_codes",
+]
+
+GROUP_SIZE = 32
+MIN_BITS = 2
+MAX_BITS = 8
+_SCALE_EPS = 1e-10
+_FP16_MAX = 65504.0
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_UNQUANTIZED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one of K or V is stored in the page pool: ``bits`` 2..8, or None for ``dtype``."""
+
+    bits: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.bits is None:
+            if self.dtype not in _UNQUANTIZED_DTYPES:
+                raise ValueError(f"unquantized KV dtype must be one of {_UNQUANTIZED_DTYPES}")
+        elif not (isinstance(self.bits, int) and MIN_BITS <= self.bits <= MAX_BITS):
+            raise ValueError(f"KV bits must be an int in {MIN_BITS}..{MAX_BITS}, got {self.bits}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes one token occupies in one layer's K (or V) pages."""
+        width = kv_heads * head_dim
+        if self.bits is None:
+            return width * torch.empty((), dtype=self.dtype).element_size()
+        return kv_heads * _groups_per_head(head_dim) * (4 * self.bits + 2)
+
+
+def _groups_per_head(head_dim: int) -> int:
+    if head_dim % GROUP_SIZE != 0:
+        raise ValueError(
+            f"a quantized KV cache needs head_dim to be a multiple of {GROUP_SIZE} "
+            f"(groups of {GROUP_SIZE} must not straddle heads), got head_dim={head_dim}"
+        )
+    return head_dim // GROUP_SIZE
+
+
+def hadamard(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32x32 orthonormal Hadamard matrix (float32); symmetric and its own inverse."""
+    return _hadamard(torch.device(device))
+
+
+@cache
+def _hadamard(device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < GROUP_SIZE:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(GROUP_SIZE)).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Apply the group rotation to the last dimension of ``x`` (a multiple of 32), in float32.
+
+    The rotation is an involution: ``rotate(rotate(x)) == x`` up to rounding.
+    """
+    shape = x.shape
+    groups = x.reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE).float()
+    return (groups @ hadamard(x.device)).reshape(shape)
+
+
+@cache
+def _bit_layout(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per code i of a group: its low word, the word holding its spill-over, and bit offset."""
+    start = torch.arange(GROUP_SIZE, dtype=torch.int64, device=device) * bits
+    word_lo = start // 32
+    offset = start % 32
+    # a non-straddling code reads its own word twice; its "high" part is masked away
+    word_hi = torch.where(offset + bits > 32, word_lo + 1, word_lo)
+    return word_lo, word_hi, offset
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes ``[..., 32]`` in ``0..2^b-1`` -> int32 words ``[..., b]`` (dense)."""
+    word_lo, word_hi, offset = _bit_layout(bits, codes.device)
+    c = codes.to(torch.int64)
+    lo = (c << offset) & 0xFFFFFFFF
+    hi = torch.where(word_hi != word_lo, c >> (32 - offset), torch.zeros_like(c))
+    words = torch.zeros(*codes.shape[:-1], bits, dtype=torch.int64, device=codes.device)
+    # the bit ranges are disjoint, so adding is OR-ing
+    words.index_add_(-1, word_lo, lo)
+    words.index_add_(-1, word_hi, hi)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words ``[..., b]`` -> integer codes ``[..., 32]`` (inverse of :func:`pack_codes`).
+
+    uint8 for 2, 4 and 8 bits (a byte view of the words, no straddling codes), int64 otherwise.
+    """
+    if 8 % bits == 0 and _LITTLE_ENDIAN:
+        # code i sits in byte (i * bits) // 8 of the little-endian words
+        data = words.contiguous().view(torch.uint8)
+        if bits == 8:
+            return data
+        mask = (1 << bits) - 1
+        parts = [(data >> shift) & mask for shift in range(0, 8, bits)]
+        return torch.stack(parts, -1).flatten(-2)
+    word_lo, word_hi, offset = _bit_layout(bits, words.device)
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    lo = u.index_select(-1, word_lo) >> offset
+    hi = u.index_select(-1, word_hi) << (32 - offset)
+    return (lo | hi) & ((1 << bits) - 1)
+
+
+def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [..., kv_heads, head_dim]`` -> codes int32 ``[..., kv_heads, Gh, b]`` and
+    scales fp16 ``[..., kv_heads, Gh]``."""
+    KVFormat(bits)  # validates bits
+    gh = _groups_per_head(values.shape[-1])
+    y = rotate(values).reshape(*values.shape[:-1], gh, GROUP_SIZE)
+    scale16 = (y.abs().amax(-1) + _SCALE_EPS).clamp(max=_FP16_MAX).to(torch.float16)
+    # an all-zero group has a scale that underflows fp16 to 0; any code then decodes to 0
+    s = scale16.float().clamp(min=_SCALE_EPS).unsqueeze(-1)
+    m = float(1 << (bits - 1))
+    codes = torch.floor(y / s * m + m).clamp(0, (1 << bits) - 1)
+    return pack_codes(codes, bits), scale16
+
+
+def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Dequantized values still in the rotated domain: float32 ``[..., kv_heads, head_dim]``."""
+    m = float(1 << (bits - 1))
+    y = unpack_codes(codes, bits).float()
+    # in place: these passes over the unpacked values dominate decode on quantized caches
+    y.sub_(m - 0.5).mul_(scales.float().unsqueeze(-1) / m)
+    return y.flatten(-2)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`quantize`: float32 ``[..., kv_heads, head_dim]``."""
+    return rotate(dequantize_rotated(codes, scales, bits))
+
+
+def allocate_pages(
+    fmt: KVFormat, num_pages: int, page_size: int, kv_heads: int, head_dim: int, device=None
+) -> dict[str, torch.Tensor]:
+    """Zeroed storage for ``num_pages`` pages of one of K or V of one layer."""
+    if fmt.bits is None:
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        return {"data": torch.zeros(shape, dtype=fmt.dtype, device=device)}
+    lead = (num_pages, page_size, kv_heads, _groups_per_head(head_dim))
+    return {
+        "codes": torch.zeros((*lead, fmt.bits), dtype=torch.int32, device=device),
+        "scales": torch.zeros(lead, dtype=torch.float16, device=device),
+    }
+
+
+def quantize_into(
+    fmt: KVFormat,
+    store: dict[str, torch.Tensor],
+    page_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Write ``values [n, kv_heads, head_dim]`` at the ``n`` (page, slot) pairs."""
+    if fmt.bits is None:
+        store["data"][page_idx, slot_idx] = values.to(fmt.dtype)
+        return
+    codes, scales = quantize(values, fmt.bits)
+    store["codes"][page_idx, slot_idx] = codes
+    store["scales"][page_idx, slot_idx] = scales
+
+
+def dequantize_pages(
+    fmt: KVFormat, store: dict[str, torch.Tensor], page_ids: torch.Tensor
+) -> torch.Tensor:
+    """Pages ``page_ids [p]`` as float32 ``[p, page_size, kv_heads, head_dim]``."""
+    if fmt.bits is None:
+        return store["data"][page_ids].float()
+    return dequantize(store["codes"][page_ids], store["scales"][page_ids], fmt.bits)

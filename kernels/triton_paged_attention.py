@@ -1,0 +1,279 @@
+"""Paged attention as a Triton kernel (ENGINE_SPEC §9, CUDA path).
+
+Same calling convention and semantics as :func:`kernels.paged_attention.paged_attention`
+(the reference it is tested against, on CPU through ``TRITON_INTERPRET=1``): prefill chunks
+and decode steps mixed in one launch, GQA, sliding window, and K/V pages in any
+:class:`~kernels.kvquant.KVFormat`.
+
+One program computes a few query rows of one sequence for all the query heads of one KV
+head (``BLOCK_M`` tile rows = rows x GQA group, so a decode step of SmolLM2 fills 3 of
+16 rows and each K/V tile is read once per KV head, not once per query head), walking
+the keys in tiles of ``BLOCK_N`` positions (a tile never straddles a page) with an online
+softmax.  Each tile's physical page comes from the block table, so pages are read in place,
+never gathered.  Quantized pages are decoded in the kernel into the rotated domain; the
+rotation itself is applied to ``q`` before and to the output after the kernel (``H`` is
+orthogonal and symmetric: ``q . (y H) = (q H) . y`` and ``sum_j p_j y_j H = (sum_j p_j y_j) H``).
+
+Import cost: triton is imported here, not in :mod:`kernels.paged_attention`.  Whether the
+interpreter is used is decided by ``TRITON_INTERPRET`` when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kvquant import GROUP_SIZE, KVFormat, rotate
+
+__all__ = ["INTERPRETED", "triton_paged_attention"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+MAX_BLOCK_N = 64
+
+
+@triton.jit
+def _load_kv_tile(
+    data_ptr,
+    scale_ptr,
+    page,
+    slots,
+    kv_head,
+    dims,
+    valid,
+    s_page,
+    s_slot,
+    s_head,
+    s_group,
+    s_word,
+    t_page,
+    t_slot,
+    t_head,
+    t_group,
+    BITS: tl.constexpr,
+):
+    """A ``[BLOCK_N, BLOCK_D]`` float32 tile of K or V for positions ``slots`` of ``page``.
+
+    Unquantized (BITS == 0): ``data_ptr`` is ``[P, S, kv_heads, head_dim]``.  Quantized:
+    ``data_ptr`` is the int32 codes ``[P, S, kv_heads, Gh, BITS]`` and ``scale_ptr`` the fp16
+    scales ``[P, S, kv_heads, Gh]``; the tile comes back in the rotated domain.
+    """
+    row = page * s_page + slots[:, None].to(tl.int64) * s_slot + kv_head * s_head
+    if BITS == 0:
+        x = tl.load(data_ptr + row + dims[None, :] * s_group, mask=valid, other=0.0)
+        return x.to(tl.float32)
+    group = dims // 32
+    start = (dims % 32) * BITS
+    w_lo = start // 32
+    offset = start % 32
+    straddles = offset + BITS > 32
+    w_hi = tl.where(straddles, w_lo + 1, w_lo)
+    base = data_ptr + row + group[None, :] * s_group
+    lo = tl.load(base + w_lo[None, :] * s_word, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    hi = tl.load(base + w_hi[None, :] * s_word, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    # shift amounts stay in 0..31: the high part only exists when offset > 0
+    hi_shift = tl.where(straddles, 32 - offset, 0).to(tl.uint32)
+    lo_part = lo >> offset[None, :].to(tl.uint32)
+    hi_part = tl.where(straddles[None, :], hi << hi_shift[None, :], 0)
+    code = ((lo_part | hi_part) & ((1 << BITS) - 1)).to(tl.float32)
+    srow = page * t_page + slots[:, None].to(tl.int64) * t_slot + kv_head * t_head
+    scale = tl.load(scale_ptr + srow + group[None, :] * t_group, mask=valid, other=0.0)
+    half_range: tl.constexpr = 1 << (BITS - 1)
+    return (code - (half_range - 0.5)) * (scale.to(tl.float32) / half_range)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    out_ptr,
+    k_ptr,
+    k_scale_ptr,
+    v_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    q_lens_ptr,
+    q_starts_ptr,
+    item_seq_ptr,
+    item_block_ptr,
+    sm_scale,
+    window,
+    head_dim,
+    s_q_row,
+    s_q_head,
+    s_o_row,
+    s_o_head,
+    s_bt,
+    ks_page,
+    ks_slot,
+    ks_head,
+    ks_group,
+    ks_word,
+    kt_page,
+    kt_slot,
+    kt_head,
+    kt_group,
+    vs_page,
+    vs_slot,
+    vs_head,
+    vs_group,
+    vs_word,
+    vt_page,
+    vt_slot,
+    vt_head,
+    vt_group,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(item_seq_ptr + item)
+    block = tl.load(item_block_ptr + item)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_len = tl.load(q_lens_ptr + seq)
+    q_start = tl.load(q_starts_ptr + seq)
+
+    # tile row r is query row block * ROWS + r // GROUP of query head kv_head * GROUP + r % GROUP:
+    # the query heads sharing a KV head share each K/V tile read
+    r = tl.arange(0, BLOCK_M)
+    rows = block * ROWS + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_ok = (r < ROWS * GROUP) & (rows < q_len)
+    pos = seq_len - q_len + rows  # absolute position of each query row
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    io_ok = row_ok[:, None] & dim_ok[None, :]
+    q_off = (q_start + rows[:, None]).to(tl.int64) * s_q_row + heads[:, None] * s_q_head
+    q = tl.load(q_ptr + q_off + dims[None, :], mask=io_ok, other=0.0).to(tl.float32)
+
+    chunk_start = seq_len - q_len + block * ROWS  # position of the block's first query row
+    last = tl.minimum(chunk_start + ROWS, seq_len)  # past the last key any row sees
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(chunk_start - window + 1, 0)
+        first = (first // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for key0 in range(first, last, BLOCK_N):
+        page = tl.load(block_tables_ptr + seq * s_bt + key0 // PAGE_SIZE).to(tl.int64)
+        keys = key0 + tl.arange(0, BLOCK_N)
+        slots = key0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        tile_ok = (keys < seq_len)[:, None] & dim_ok[None, :]
+        k = _load_kv_tile(
+            k_ptr, k_scale_ptr, page, slots, kv_head, dims, tile_ok,
+            ks_page, ks_slot, ks_head, ks_group, ks_word, kt_page, kt_slot, kt_head, kt_group,
+            K_BITS,
+        )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        seen = (keys[None, :] <= pos[:, None]) & (keys < seq_len)[None, :]
+        if HAS_WINDOW:
+            seen = seen & (pos[:, None] - keys[None, :] < window)
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_ptr, v_scale_ptr, page, slots, kv_head, dims, tile_ok,
+            vs_page, vs_slot, vs_head, vs_group, vs_word, vt_page, vt_slot, vt_head, vt_group,
+            V_BITS,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = (q_start + rows[:, None]).to(tl.int64) * s_o_row + heads[:, None] * s_o_head
+    tl.store(out_ptr + o_off + dims[None, :], out, mask=io_ok)
+
+
+def _store_args(fmt: KVFormat, store: dict[str, torch.Tensor], head_dim: int):
+    """(data, scales, 5 data strides, 4 scale strides, bits) for the kernel."""
+    if fmt.bits is None:
+        data = store["data"]
+        s = data.stride()
+        # for unquantized pages the "group" stride walks head_dim
+        return data, data, (s[0], s[1], s[2], s[3], 0), (0, 0, 0, 0), 0
+    codes, scales = store["codes"], store["scales"]
+    if head_dim % GROUP_SIZE:
+        raise ValueError(f"quantized pages need head_dim % {GROUP_SIZE} == 0")
+    return codes, scales, codes.stride(), scales.stride(), fmt.bits
+
+
+def _work_items(q_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, row block) of every block of ``rows`` query rows."""
+    blocks = (q_lens + rows - 1) // rows
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), blocks)
+    first_item = torch.cumsum(blocks, 0) - blocks
+    block = torch.arange(len(seq), device=q_lens.device) - first_item[seq]
+    return seq.to(torch.int32), block.to(torch.int32)
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k_store: dict[str, torch.Tensor],
+    v_store: dict[str, torch.Tensor],
+    fmt_k: KVFormat,
+    fmt_v: KVFormat,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Paged attention in one Triton launch; see the module docstring."""
+    total_q, n_heads, head_dim = q.shape
+    device = q.device
+    k_data, k_scales, ks, kt, k_bits = _store_args(fmt_k, k_store, head_dim)
+    v_data, v_scales, vs, vt, v_bits = _store_args(fmt_v, v_store, head_dim)
+    kv_heads = k_data.shape[2]
+    page_size = k_data.shape[1]
+    if n_heads % kv_heads:
+        raise ValueError(f"n_heads {n_heads} is not a multiple of kv_heads {kv_heads}")
+
+    qf = rotate(q) if k_bits else q.float()
+    qf = qf.contiguous()
+    out = torch.empty(total_q, n_heads, head_dim, dtype=torch.float32, device=device)
+    q_lens = q_lens.to(device=device, dtype=torch.int32)
+    seq_lens = seq_lens.to(device=device, dtype=torch.int32)
+    q_starts = (torch.cumsum(q_lens, 0) - q_lens).to(torch.int32)
+    group = n_heads // kv_heads
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+    rows = block_m // group
+    item_seq, item_block = _work_items(q_lens, rows)
+    block_tables = block_tables.to(device).contiguous()
+    if len(item_seq) == 0:
+        return out.to(q.dtype)
+
+    block_n = min(MAX_BLOCK_N, page_size)
+    grid = (len(item_seq), kv_heads)
+    _paged_attention_kernel[grid](
+        qf, out, k_data, k_scales, v_data, v_scales,
+        block_tables, seq_lens, q_lens, q_starts, item_seq, item_block,
+        scale, sliding_window or 0, head_dim,
+        qf.stride(0), qf.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *ks, *kt, *vs, *vt,
+        GROUP=group,
+        ROWS=rows,
+        PAGE_SIZE=page_size,
+        K_BITS=k_bits,
+        V_BITS=v_bits,
+        HAS_WINDOW=sliding_window is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )  # fmt: skip
+    if v_bits:
+        out = rotate(out)
+    return out.to(q.dtype)
