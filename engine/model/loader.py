@@ -7,6 +7,7 @@ dtype. Every failure names the file and the problem in words a user can act on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -178,26 +179,8 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
             b = _unpermute_rows(b.view(shape[0], 1), heads).reshape(-1)
         return b
 
-    layers = []
-    for i in range(config.num_layers):
-        report(0.05 + 0.85 * i / config.num_layers, f"layer {i + 1}/{config.num_layers}")
-        p = f"blk.{i}."
-        gemma = config.arch == "gemma3"
-        layers.append(
-            Layer(
-                attn_norm=norm(p + "attn_norm.weight"),
-                qkv=linear(p + "attn_q", p + "attn_k", p + "attn_v", heads=(config.num_heads, config.num_kv_heads, None)),
-                o=linear(p + "attn_output"),
-                mlp_norm=norm(p + "ffn_norm.weight"),
-                gate_up=linear(p + "ffn_gate", p + "ffn_up"),
-                down=linear(p + "ffn_down"),
-                q_norm=norm(p + "attn_q_norm.weight") if config.qk_norm else None,
-                k_norm=norm(p + "attn_k_norm.weight") if config.qk_norm else None,
-                post_attn_norm=norm(p + "post_attention_norm.weight") if gemma else None,
-                post_mlp_norm=norm(p + "post_ffw_norm.weight") if gemma else None,
-                sliding=config.layer_types[i] == "sliding",
-            )
-        )
+    names = GGUF_GEMMA_NAMES if config.arch == "gemma3" else GGUF_NAMES
+    layers = _build_layers(config, names, norm, linear, report)
     embedding = dense("token_embd.weight")
     if "output.weight" in gf.tensors:
         lm_head = linear("output")
@@ -218,6 +201,81 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
         fingerprint=_fingerprint(path, config),
         load_seconds=0.0,
         quant_types=counts,
+    )
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Where each per-layer tensor lives in a checkpoint ({i} = layer index)."""
+
+    attn_norm: str
+    q: str
+    k: str
+    v: str
+    o: str
+    mlp_norm: str
+    gate: str
+    up: str
+    down: str
+    q_norm: str
+    k_norm: str
+    post_attn_norm: str | None = None  # Gemma 3's sandwich norms
+    post_mlp_norm: str | None = None
+
+
+GGUF_NAMES = LayerNames(
+    "blk.{i}.attn_norm.weight", "blk.{i}.attn_q", "blk.{i}.attn_k", "blk.{i}.attn_v", "blk.{i}.attn_output",
+    "blk.{i}.ffn_norm.weight", "blk.{i}.ffn_gate", "blk.{i}.ffn_up", "blk.{i}.ffn_down",
+    "blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight",
+)  # fmt: skip
+GGUF_GEMMA_NAMES = dataclasses.replace(
+    GGUF_NAMES, post_attn_norm="blk.{i}.post_attention_norm.weight", post_mlp_norm="blk.{i}.post_ffw_norm.weight"
+)
+HF_NAMES = LayerNames(
+    "layers.{i}.input_layernorm.weight", "layers.{i}.self_attn.q_proj", "layers.{i}.self_attn.k_proj",
+    "layers.{i}.self_attn.v_proj", "layers.{i}.self_attn.o_proj", "layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_proj", "layers.{i}.mlp.up_proj", "layers.{i}.mlp.down_proj",
+    "layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.k_norm.weight",
+)  # fmt: skip
+# Gemma 3 names its pre-MLP norm differently and adds norms after attention and MLP.
+HF_GEMMA_NAMES = dataclasses.replace(
+    HF_NAMES,
+    mlp_norm="layers.{i}.pre_feedforward_layernorm.weight",
+    post_attn_norm="layers.{i}.post_attention_layernorm.weight",
+    post_mlp_norm="layers.{i}.post_feedforward_layernorm.weight",
+)
+
+
+def _build_layers(config: ModelConfig, names: LayerNames, norm, linear, report: Progress) -> list[Layer]:
+    """Layers from a checkpoint through its `norm(name)` and `linear(*names, heads=())`
+    readers (several names: projections fused along the output dim)."""
+    layers = []
+    for i in range(config.num_layers):
+        report(0.05 + 0.85 * i / config.num_layers, f"layer {i + 1}/{config.num_layers}")
+        layers.append(_build_layer(config, names, i, norm, linear))
+    return layers
+
+
+def _build_layer(config: ModelConfig, names: LayerNames, i: int, norm, linear) -> Layer:
+    def name(template: str) -> str:
+        return template.format(i=i)
+
+    def optional_norm(template: str | None, present: bool = True) -> torch.Tensor | None:
+        return norm(name(template)) if template is not None and present else None
+
+    return Layer(
+        attn_norm=norm(name(names.attn_norm)),
+        # heads: llama.cpp permutes q/k rows per head in `llama` GGUFs; the reader undoes it.
+        qkv=linear(name(names.q), name(names.k), name(names.v), heads=(config.num_heads, config.num_kv_heads, None)),
+        o=linear(name(names.o)),
+        mlp_norm=norm(name(names.mlp_norm)),
+        gate_up=linear(name(names.gate), name(names.up)),
+        down=linear(name(names.down)),
+        q_norm=optional_norm(names.q_norm, config.qk_norm),
+        k_norm=optional_norm(names.k_norm, config.qk_norm),
+        post_attn_norm=optional_norm(names.post_attn_norm),
+        post_mlp_norm=optional_norm(names.post_mlp_norm),
+        sliding=config.layer_types[i] == "sliding",
     )
 
 
@@ -289,8 +347,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> Loade
     def norm(name: str) -> torch.Tensor:
         return get(name).float() + config.norm_offset
 
-    def linear(*names: str) -> Linear:
-        """One projection, or several fused along the output dim (q/k/v, gate/up)."""
+    def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear:
+        """One projection, or several fused along the output dim (q/k/v, gate/up);
+        safetensors weights are stored unpermuted, so `heads` is not needed here."""
         weights = [get(n + ".weight") for n in names]
         biases = [maybe(n + ".bias") for n in names]
         bias = None
@@ -298,26 +357,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> Loade
             bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=dtype) for b, w in zip(biases, weights)])
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
 
-    gemma = config.arch == "gemma3"
-    layers = []
-    for i in range(config.num_layers):
-        report(0.05 + 0.85 * i / config.num_layers, f"layer {i + 1}/{config.num_layers}")
-        p = f"layers.{i}."
-        layers.append(
-            Layer(
-                attn_norm=norm(p + "input_layernorm.weight"),
-                qkv=linear(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
-                o=linear(p + "self_attn.o_proj"),
-                mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-                gate_up=linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
-                down=linear(p + "mlp.down_proj"),
-                q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
-                k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
-                post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
-                sliding=config.layer_types[i] == "sliding",
-            )
-        )
+    names = HF_GEMMA_NAMES if config.arch == "gemma3" else HF_NAMES
+    layers = _build_layers(config, names, norm, linear, report)
     embedding = get("embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in index:
         lm_head = Linear(embedding)
