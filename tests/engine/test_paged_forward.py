@@ -96,3 +96,26 @@ def test_smollm2_paged_generation_reuses_prefix(smollm2_dequant):
     # The second question shares the system prompt's full pages.
     assert replies[1].cached_tokens >= 64 * (replies[1].prompt_tokens // 2 // 64)
     assert replies[1].cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_smollm2_cache_hit_logits_equal_a_fresh_run(smollm2_dequant):
+    """SmolLM2 through 64-token pages: a prompt crossing several page boundaries, then a
+    longer one that skips its cached prefix, with the logits of a fresh run."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()
+    ids = smollm2_dequant.tokenizer.encode(text)[:300]
+    cache = KVCache.for_model(smollm2_dequant, CacheSettings(page_size=64, token_budget=1024))
+    first = SequenceRunner(smollm2_dequant, cache, ids[:200], job_id=1)
+    first.step()
+    first.release()
+    second = SequenceRunner(smollm2_dequant, cache, ids, job_id=2)
+    # Three full pages of the first prompt, and the 8 rows of its partial fourth page
+    # copied into this job's own page.
+    assert second.cached_tokens == 200 and second.alloc.partial_rows == 8
+    hit = second.step(all_logits=True)
+    fresh = _fresh_logits(smollm2_dequant, ids, page_size=64)
+    assert _rel(hit, fresh[200:]) < 1e-4
+    second.release()
+    cache.pages.validate()
