@@ -91,3 +91,17 @@ def test_gguf_int4_mode_close_to_dequant(tmp_path):
     assert packed.weight_bytes < exact.weight_bytes
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
     _assert_close(_folio_logits(packed, ids), _folio_logits(exact, ids), 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sharded_half_precision_folder(dtype, tmp_path):
+    """A folder saved in fp16/bf16 and split into several shards with an index."""
+    model = make_hf_model("llama", seed=8)
+    model.to(dtype).save_pretrained(tmp_path / "m", safe_serialization=True, max_shard_size="400KB")
+    shards = list((tmp_path / "m").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "m" / "model.safetensors.index.json").exists()
+    loaded = load_model(tmp_path / "m", load_tokenizer=False)
+    assert loaded.quant_types == {"F16" if dtype == torch.float16 else "BF16": len(model.state_dict())}
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
+    ref = _reference_logits(model.float(), ids)  # the same half-precision weights, computed in fp32
+    _assert_close(_folio_logits(loaded, ids), ref, 1e-4)
