@@ -2,7 +2,9 @@
 
 Measures allocation + release throughput (pages/s) on a 4096-page table, snapshot
 time, eviction-order build time, defrag time, host-tier push/restore bandwidth and
-KV bytes per token for fp32 and, when ``kernels.kvquant`` exists, its formats.
+KV bytes per token for fp32 and, when ``kernels.kvquant`` exists, its formats,
+and the prefix-cache hit rate of the two eviction orders (§4: tail first vs. plain LRU)
+on the same multi-turn chat workload.
 Each timing is the best (or median where noted) of a few repeats: 2-core machines
 are noisy.
 """
@@ -231,6 +233,139 @@ def _bench_bytes_per_token(page_size: int) -> None:
     _emit(record)
 
 
+# -- eviction order: what tail first buys over plain LRU (ENGINE_SPEC §4) -------------
+
+VOCAB = 49_152  # SmolLM2's vocabulary: the token ids are random, only equality matters
+
+
+def _eviction_workload(
+    cache_tokens: int, chats: int, steps: int, seed: int, oneoff_share: float = 0.25
+) -> list[tuple[str, list[int], list[int]]]:
+    """A deterministic stream of (kind, prompt, reply) requests.
+
+    ``chats`` conversations run side by side, picked at random each step; they share
+    a system prompt. A turn's prompt is the whole history (system prompt and every
+    earlier user message and reply) plus a new user message, so consecutive turns of
+    one chat share the history as a prefix. A conversation whose next turn would pass
+    half the cache ends and a new one starts in its slot. With probability
+    ``oneoff_share`` a step is instead a one-off prompt of random tokens (1/8 to 1/3
+    of the cache) that nothing ever reuses: it flushes pages out of the cache.
+    Lengths scale with the cache size so small caches are under the same pressure.
+    """
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(max(1, cache_tokens // 64))]
+    histories = [list(system) for _ in range(chats)]
+    limit = cache_tokens // 2
+    out: list[tuple[str, list[int], list[int]]] = []
+    for _ in range(steps):
+        if rng.random() < oneoff_share:
+            n = rng.randint(cache_tokens // 8, cache_tokens // 3)
+            prompt = [rng.randrange(VOCAB) for _ in range(n)]
+            reply = [rng.randrange(VOCAB) for _ in range(rng.randint(1, cache_tokens // 64))]
+            out.append(("oneoff", prompt, reply))
+            continue
+        k = rng.randrange(chats)
+        user = [
+            rng.randrange(VOCAB)
+            for _ in range(rng.randint(cache_tokens // 256 or 1, cache_tokens // 32))
+        ]
+        reply = [
+            rng.randrange(VOCAB)
+            for _ in range(rng.randint(cache_tokens // 128 or 1, cache_tokens // 16))
+        ]
+        if len(histories[k]) + len(user) + len(reply) > limit:
+            histories[k] = list(system)  # that conversation is over: a new one starts
+        prompt = histories[k] + user
+        out.append(("chat", prompt, reply))
+        histories[k] = prompt + reply
+    return out
+
+
+def _replay_eviction(
+    workload: list[tuple[str, list[int], list[int]]],
+    num_pages: int,
+    page_size: int,
+    policy: str,
+) -> dict:
+    """Serve ``workload`` one request at a time on a table with no storage, as the
+    generator would: allocate (prompt, room for the reply), write K/V for every token
+    from the cached prefix on (prompt, then the reply but its last token), release.
+    Prefilled tokens are the prompt tokens past the cached prefix (what
+    ``SequenceRunner`` runs through the model)."""
+    table = PageTable(num_pages, page_size, CacheFingerprint("bench", page_size), eviction=policy)
+    prefilled = chat_query = chat_hit = chat_turns = oneoffs = 0
+    for job_id, (kind, prompt, reply) in enumerate(workload):
+        alloc = table.allocate(job_id, prompt, len(reply))
+        prefilled += len(prompt) - alloc.cached_tokens
+        if kind == "chat":
+            chat_turns += 1
+            chat_query += len(prompt) - 1
+            chat_hit += alloc.cached_tokens
+        else:
+            oneoffs += 1
+        seq = prompt + reply
+        _fill_job(table, alloc, seq, len(seq) - 1)
+        table.release(alloc)
+    table.validate()
+    c = table.counters
+    return {
+        "bench": "cache_eviction",
+        "policy": policy,
+        "num_pages": num_pages,
+        "page_size": page_size,
+        "chat_turns": chat_turns,
+        "oneoff_prompts": oneoffs,
+        "prefix_query_tokens": c.prefix_query_tokens,
+        "prefix_hit_tokens": c.prefix_hit_tokens,
+        "hit_rate": round(c.prefix_hit_tokens / max(1, c.prefix_query_tokens), 4),
+        "chat_hit_rate": round(chat_hit / max(1, chat_query), 4),
+        "evicted_pages": c.evictions,
+        "prefilled_tokens": prefilled,
+    }
+
+
+def _bench_eviction_policies(
+    num_pages: int = 256,
+    page_size: int = 16,
+    chats: int = 6,
+    steps: int = 240,
+    seed: int = 1234,
+) -> dict[str, dict]:
+    """Replay one chat workload under tail first and under plain LRU; one JSON line
+    per policy and one with the ratios. Returns the per-policy records."""
+    workload = _eviction_workload(num_pages * page_size, chats, steps, seed)
+    results = {}
+    for policy in ("tail_first", "lru"):
+        t0 = time.perf_counter()
+        rec = _replay_eviction(workload, num_pages, page_size, policy)
+        rec.update(chats=chats, steps=steps, seed=seed)
+        rec["replay_s"] = round(time.perf_counter() - t0, 3)
+        results[policy] = rec
+        _emit(rec)
+    tf, lru = results["tail_first"], results["lru"]
+    _emit(
+        {
+            "bench": "cache_eviction_ratio",
+            "hit_tokens_tail_first_over_lru": (
+                round(tf["prefix_hit_tokens"] / lru["prefix_hit_tokens"], 3)
+                if lru["prefix_hit_tokens"]
+                else None
+            ),
+            "prefilled_tokens_lru_over_tail_first": (
+                round(lru["prefilled_tokens"] / tf["prefilled_tokens"], 3)
+                if tf["prefilled_tokens"]
+                else None
+            ),
+            "evicted_pages_lru_over_tail_first": (
+                round(lru["evicted_pages"] / tf["evicted_pages"], 3)
+                if tf["evicted_pages"]
+                else None
+            ),
+        }
+    )
+    return results
+
+
 def run_cache_bench(args: Namespace | None = None) -> None:
     num_pages = int(_opt(args, "pages", 4096))
     page_size = int(_opt(args, "page_size", 16))
@@ -240,6 +375,8 @@ def run_cache_bench(args: Namespace | None = None) -> None:
     _bench_table_ops(num_pages, page_size, repeats)
     _bench_tier(256, tier_pages, 3)
     _bench_bytes_per_token(256)
+    # a cache of 4096 tokens (256 pages of 16) under pressure, whatever the page size
+    _bench_eviction_policies(max(1, 4096 // page_size), page_size)
 
 
 if __name__ == "__main__":
