@@ -376,6 +376,12 @@ class _VenvLock:
             os.close(self.fd)
 
 
+def warm_up_kernels(python: Path, log_path: Path, env: dict[str, str], runner=run_logged) -> int:
+    """Compile the numba decode kernel once per install, so the first reply does not
+    wait ~10 s for it (numba caches the machine code in the package folder)."""
+    return runner([str(python), "-c", "from kernels.paged_attention import warm_up; warm_up()"], log_path, env)
+
+
 def ensure_installed(
     checkout: Path,
     venv: Path,
@@ -388,8 +394,10 @@ def ensure_installed(
     detect_gpu=detect_nvidia_gpu,
     python_ok=venv_is_usable,
     lock=_VenvLock,
+    compile_kernels=None,
 ) -> bool:
     """Install Folio into ``venv`` unless the stamp says it is there; True if pip ran."""
+    compile_kernels = compile_kernels or (lambda python, log, env: warm_up_kernels(python, log, env, runner))
     env = dict(os.environ if env is None else env)
     python = venv_python(venv)
 
@@ -443,6 +451,10 @@ def ensure_installed(
             " and its dependencies ...")
         if runner(pip + ["-e", target], log_path, pip_env) != 0:
             raise InstallError(f"could not install Folio (pip install -e {target})", log_path)
+
+        say("Compiling Folio's CPU kernels ...")
+        if compile_kernels(python, log_path, pip_env) != 0:
+            raise InstallError("Folio installed, but its kernels failed to compile", log_path)
 
         write_stamp(venv, dict(want, extras=all_extras))
         say("Install complete.")

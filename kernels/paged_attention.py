@@ -486,3 +486,17 @@ def paged_attention_dispatch(
             return paged_decode_numba(*args, sliding_window=sliding_window)
         return paged_decode(*args, sliding_window=sliding_window)
     return paged_attention(*args, sliding_window=sliding_window)
+
+
+def warm_up() -> bool:
+    """Compile the numba decode kernel now (about 5-10 s, once per install: numba caches
+    the machine code beside this file), so that the first reply does not wait for it.
+    One specialisation serves every cache format. Returns False without numba."""
+    if not HAS_NUMBA:
+        return False
+    fmt = KVFormat()
+    store = {"data": torch.zeros(1, 16, 1, 32)}
+    q = torch.zeros(1, 1, 32)
+    tables, lens = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
+    decode_numba_unchecked(q, store, store, fmt, fmt, tables, lens, 1.0)
+    return True

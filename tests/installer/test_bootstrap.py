@@ -226,6 +226,7 @@ def checkout(tmp_path):
 def install(checkout, extras=(), env=None, pip=None, venv_maker=None, **kw):
     pip = pip or FakePip()
     venv_maker = venv_maker or FakeVenv()
+    kw.setdefault("compile_kernels", lambda python, log, env: 0)
     ran = B.ensure_installed(
         checkout, checkout / ".venv", list(extras),
         env={"FOLIO_TORCH": "cpu"} if env is None else env,
@@ -233,6 +234,16 @@ def install(checkout, extras=(), env=None, pip=None, venv_maker=None, **kw):
         python_ok=lambda p: p.exists(), **kw,
     )
     return ran, pip, venv_maker
+
+
+def test_kernels_compile_after_install_and_a_failure_keeps_no_stamp(checkout):
+    compiled = []
+    ran, pip, _ = install(checkout, compile_kernels=lambda python, log, env: compiled.append(python) or 0)
+    assert ran and len(compiled) == 1 and len(pip.calls) == 2
+    (checkout / ".venv" / "folio-install.json").unlink()
+    with pytest.raises(B.InstallError, match="kernels failed to compile"):
+        install(checkout, compile_kernels=lambda python, log, env: 1)
+    assert not (checkout / ".venv" / "folio-install.json").exists()
 
 
 def test_first_install_runs_steps_in_order(checkout, monkeypatch):

@@ -349,3 +349,11 @@ def test_triton_head_groupings(triton_interpreter, heads):
     case = make_case([(20, 1), (19, 19), (40, 3)], 16, *heads, 32)
     out = case.paged(triton_interpreter.triton_paged_attention, 9)
     assert _max_err(out, case.paged(sliding_window=9)) < 1e-4
+
+
+def test_warm_up_compiles_the_decode_kernel():
+    from kernels.paged_attention import HAS_NUMBA, _decode_kernel, warm_up
+
+    assert warm_up() is HAS_NUMBA
+    if HAS_NUMBA:
+        assert _decode_kernel.signatures  # compiled for the argument types every format uses
