@@ -2,7 +2,7 @@
 
 Measures allocation + release throughput (pages/s) on a 4096-page table, snapshot
 time, eviction-order build time, defrag time, host-tier push/restore bandwidth and
-KV bytes per token for fp32 and, when ``kernels.kvquant`` exists, its formats,
+KV bytes per token for fp32, fp16 and the quantized formats the engine uses,
 and the prefix-cache hit rate of the two eviction orders (§4: tail first vs. plain LRU)
 on the same multi-turn chat workload.
 Each timing is the best (or median where noted) of a few repeats: 2-core machines
@@ -213,23 +213,21 @@ def _bench_bytes_per_token(page_size: int) -> None:
         "fp32": fp32 / page_size,
         "fp16": fp16 / page_size,
     }
-    # §6 layout: b-bit codes plus one fp16 scale per group of 32 values
+    # the engine's quantized layout (engine/cache/kv_cache.py kv_formats): b-bit codes plus
+    # an fp16 step and an fp16 minimum per group of 32 values
     values = LAYERS * KV_HEADS * HEAD_DIM * 2
-    record["formula_bits"] = {str(b): values * (b / 8 + 2 / 32) for b in range(2, 9)}
-    try:
-        import kernels.kvquant as kvquant  # optional: another engineer's module
-    except ImportError:
-        record["kvquant"] = "kernels.kvquant not available"
-    else:
-        from engine.cache import kvformat_allocator
+    record["formula_bits"] = {str(b): values * (b / 8 + 4 / 32) for b in range(2, 9)}
+    from engine.cache import kvformat_allocator
+    from engine.cache.kv_cache import kv_formats
 
-        measured = {}
-        for bits in (8, 6, 5, 4, 3, 2):
-            fmt = kvquant.KVFormat(bits=bits)
-            alloc = kvformat_allocator(fmt, KV_HEADS, HEAD_DIM)
-            per_page = PagedKVStorage.bytes_per_page_for(LAYERS, page_size, alloc)
-            measured[str(bits)] = per_page / page_size
-        record["kvquant_measured"] = measured
+    measured = {}
+    for bits in (8, 6, 5, 4, 3, 2):
+        fmt_k, fmt_v = kv_formats(bits, bits)
+        k_alloc = kvformat_allocator(fmt_k, KV_HEADS, HEAD_DIM)
+        v_alloc = kvformat_allocator(fmt_v, KV_HEADS, HEAD_DIM)
+        per_page = PagedKVStorage.bytes_per_page_for(LAYERS, page_size, k_alloc, v_alloc)
+        measured[str(bits)] = per_page / page_size
+    record["kvquant_measured"] = measured
     _emit(record)
 
 

@@ -14,7 +14,13 @@ EXIT_FAILED = 1
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Run quantized language models locally.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # `folio --smoke-test` (what the launchers check) = `folio app --smoke-test`. Its own dest:
+    # the `app` subparser's default would overwrite a shared one.
+    parser.add_argument("--smoke-test", dest="top_smoke_test", action="store_true",
+                        help="the desktop app: start, load, run briefly, exit (0 = fine)")
+    sub = parser.add_subparsers(dest="command")  # no command: the desktop app
+    app = sub.add_parser("app", help="the desktop app (also what `folio` alone starts)")
+    app.add_argument("--smoke-test", action="store_true", help="start, load, run briefly, exit")
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming the reply to stdout")
     gen.add_argument("prompt")
@@ -26,9 +32,17 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    models = sub.add_parser("models", help="manage models")
-    msub = models.add_subparsers(dest="models_command", required=True)
-    msub.add_parser("fetch-default", help="make sure the default model is on disk and print its path")
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (/stats, /reset, /quit)")
+    chat.add_argument("--model", type=Path, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--seed", type=int)
+    _add_cache_options(chat)
+
+    from engine.cli_models import add_models_parser
+
+    add_models_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON lines)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -43,6 +57,23 @@ def _build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--page-size", type=int, default=16)
     cache.add_argument("--rounds", type=int, default=20)
     cache.add_argument("--tier-pages", type=int, default=8)
+    batched = bsub.add_parser("batched", help="llama-batched-bench's table: PP x TG x B, shared prompt or not")
+    batched.add_argument("--model", type=Path)
+    batched.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
+    batched.add_argument("--json", action="store_true", help="one JSON object per line")
+    batched.add_argument("--pp", type=int, nargs="+", default=[128, 512])
+    batched.add_argument("--tg", type=int, nargs="+", default=[32, 128])
+    batched.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    batched.add_argument("--skip-transformers", action="store_true")
+    serve = bsub.add_parser("serve", help="requests arriving over time, groups sharing system prompts")
+    serve.add_argument("--model", type=Path)
+    serve.add_argument("--requests", type=int, default=64)
+    serve.add_argument("--groups", type=int, default=8)
+    serve.add_argument("--system-tokens", type=int, default=1024)
+    serve.add_argument("--new-tokens", type=int, default=32)
+    serve.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    serve.add_argument("--cache-tokens", type=int, default=8192)
+    serve.add_argument("--json", action="store_true")
     kvq = bsub.add_parser("kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)")
     kvq.add_argument("--model", type=Path)
     kvq.add_argument("--tokens", type=int, default=4096)
@@ -50,17 +81,34 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.top_smoke_test and args.command not in (None, "app"):
+        parser.error("--smoke-test applies to the desktop app only")
+    if args.command in (None, "app"):
+        from gui.app import main as app_main
+
+        smoke = args.top_smoke_test or getattr(args, "smoke_test", False)
+        return app_main(["--smoke-test"] if smoke else [])
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "models":
             return _models(args)
+        if args.command == "chat":
+            return _chat(args)
         if args.command == "bench":
             if args.bench_command == "cache":
                 from engine.bench_cache import run_cache_bench
 
                 run_cache_bench(args)
+            elif args.bench_command in ("batched", "serve"):
+                from engine import bench_batched
+
+                if args.bench_command == "batched":
+                    bench_batched.run_batched_bench(args)
+                else:
+                    bench_batched.run_serve_bench(args)
             elif args.bench_command == "kv-quant":
                 from engine.perplexity import run_kv_quant_bench
 
@@ -77,6 +125,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"folio: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_USAGE
+
+
+def _add_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
+    parser.add_argument("--k-bits", type=int, help="quantize cached keys to 2..8 bits")
+    parser.add_argument("--v-bits", type=int, help="quantize cached values to 2..8 bits")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from engine.cache.kv_cache import CacheSettings
+    from engine.chat_cli import run_chat
+    from engine.engine import Engine
+    from engine.generator.sampler import SamplingSettings
+    from engine.model.loader import load_model
+
+    loaded = load_model(_model_path(args.model))
+    if not loaded.tokenizer.has_chat_template:
+        raise ValueError(f"{loaded.path.name} has no chat template: use `folio generate --raw` instead")
+    cache = CacheSettings(
+        page_size=args.page_size, token_budget=args.cache_tokens, k_bits=args.k_bits, v_bits=args.v_bits
+    )
+    sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
+    sampling.validate()
+    print(f"{loaded.path.name}: {loaded.config.architecture}, cache {args.cache_tokens} tokens in pages of {args.page_size}")
+    with Engine(loaded, cache) as engine:
+        run_chat(engine, sys.stdin, sys.stdout, args.system, sampling, args.max_new_tokens)
+    return 0
 
 
 def _model_path(arg: Path | None) -> Path:
@@ -124,12 +200,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    if args.models_command == "fetch-default":
-        from engine.model.fetch import ensure_default_model
+    from engine.cli_models import run_models
 
-        print(ensure_default_model())
-        return 0
-    return EXIT_USAGE
+    return run_models(args)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,30 @@ Because ``H`` is orthogonal, attention can also run in the rotated domain withou
 rotating keys back: ``q . (y' H) = (q H) . y'`` per group, and ``sum_j p_j (y'_j H) =
 (sum_j p_j y'_j) H``; :func:`rotate` is exposed for kernels that do so.
 
+Two refinements measured on SmolLM2 (docs/KV_QUANT.md), both keeping groups of 32, the
+rotation, packed codes and fp16 parameters:
+
+* **Asymmetric grid** (``KVFormat(bits, asymmetric=True)``, what the engine uses for V): per
+  rotated group ``z = min y``, ``d = (max y - min y) / (2^b - 1)``, both fp16, and
+  ``q = clamp(round((y - z) / d), 0, 2^b - 1)``, ``y' = q d + z``.  Values are not centred
+  on zero, so spending the whole grid on ``[min, max]`` beats the symmetric absmax grid
+  (SmolLM2 K4/V4 with the key offset: +2.91% -> +1.88% perplexity with it for K as well as
+  V); it costs one more fp16 per group.
+* **Key offset** (:class:`KeyOffset`, what the engine uses for quantized K): keys carry a
+  large constant pre-RoPE offset ``mu`` per layer and head, which the rotation would spread
+  over every group and so inflate every scale.  The cache stores ``k - R(p) mu`` (``R(p)``:
+  the model's RoPE at the key's position ``p``) and every attention path adds ``q . R(p) mu``
+  back exactly.  Since RoPE's cos/sin are the same in both halves of the head,
+  ``q . R(p) mu = z . t_p`` with ``z`` from the query alone (:meth:`KeyOffset.query_terms`)
+  and ``t_p = [cos_p, sin_p]`` one table row per position: one extra dot product per key.
+
 Page-pool layout (every tensor starts with ``[num_pages, page_size]`` so that a page is
 copied by indexing the first dimension):
 
 * unquantized: ``{"data": dtype [P, S, kv_heads, head_dim]}``
 * quantized:   ``{"codes": int32 [P, S, kv_heads, Gh, b], "scales": float16 [P, S, kv_heads, Gh]}``
-  with ``Gh = head_dim / 32`` groups per head
+  with ``Gh = head_dim / 32`` groups per head, plus ``"zeros": float16 [P, S, kv_heads, Gh]``
+  (the group minima) for the asymmetric grid; ``scales`` then holds the steps ``d``
 """
 
 from __future__ import annotations
@@ -46,14 +64,19 @@ import torch
 __all__ = [
     "GROUP_SIZE",
     "KVFormat",
+    "KeyOffset",
     "allocate_pages",
+    "decode",
     "dequantize",
     "dequantize_pages",
     "dequantize_rotated",
+    "encode",
     "hadamard",
     "pack_codes",
     "quantize",
+    "quantize_asymmetric",
     "quantize_into",
+    "rope_table",
     "rotate",
     "unpack_codes",
 ]
@@ -69,15 +92,19 @@ _UNQUANTIZED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one of K or V is stored in the page pool: ``bits`` 2..8, or None for ``dtype``."""
+    """How one of K or V is stored in the page pool: ``bits`` 2..8, or None for ``dtype``;
+    ``asymmetric`` picks the min/max grid over the §6 midpoint grid."""
 
     bits: int | None = None
     dtype: torch.dtype = torch.float32
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.bits is None:
             if self.dtype not in _UNQUANTIZED_DTYPES:
                 raise ValueError(f"unquantized KV dtype must be one of {_UNQUANTIZED_DTYPES}")
+            if self.asymmetric:
+                raise ValueError("the asymmetric grid needs quantized KV bits")
         elif not (isinstance(self.bits, int) and MIN_BITS <= self.bits <= MAX_BITS):
             raise ValueError(f"KV bits must be an int in {MIN_BITS}..{MAX_BITS}, got {self.bits}")
 
@@ -90,7 +117,8 @@ class KVFormat:
         width = kv_heads * head_dim
         if self.bits is None:
             return width * torch.empty((), dtype=self.dtype).element_size()
-        return kv_heads * _groups_per_head(head_dim) * (4 * self.bits + 2)
+        params = 4 if self.asymmetric else 2  # fp16 scale, and the fp16 minimum
+        return kv_heads * _groups_per_head(head_dim) * (4 * self.bits + params)
 
 
 def _groups_per_head(head_dim: int) -> int:
@@ -171,8 +199,8 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values [..., kv_heads, head_dim]`` -> codes int32 ``[..., kv_heads, Gh, b]`` and
-    scales fp16 ``[..., kv_heads, Gh]``."""
+    """§6 midpoint grid: ``values [..., kv_heads, head_dim]`` -> codes int32
+    ``[..., kv_heads, Gh, b]`` and scales fp16 ``[..., kv_heads, Gh]``."""
     KVFormat(bits)  # validates bits
     gh = _groups_per_head(values.shape[-1])
     y = rotate(values).reshape(*values.shape[:-1], gh, GROUP_SIZE)
@@ -184,18 +212,69 @@ def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return pack_codes(codes, bits), scale16
 
 
-def dequantize_rotated(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """Dequantized values still in the rotated domain: float32 ``[..., kv_heads, head_dim]``."""
-    m = float(1 << (bits - 1))
+def quantize_asymmetric(
+    values: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max grid: codes int32 ``[..., kv_heads, Gh, b]``, steps and minima fp16
+    ``[..., kv_heads, Gh]``."""
+    KVFormat(bits)
+    gh = _groups_per_head(values.shape[-1])
+    y = rotate(values).reshape(*values.shape[:-1], gh, GROUP_SIZE)
+    levels = (1 << bits) - 1
+    # the step is taken from the fp16-rounded minimum, so that the top code still reaches
+    # the maximum, and both sides use the fp16 values: quantize and dequantize agree exactly
+    zero16 = y.amin(-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+    z = zero16.float().unsqueeze(-1)
+    step16 = (
+        ((y.amax(-1, keepdim=True) - z) / levels).squeeze(-1).clamp(max=_FP16_MAX).to(torch.float16)
+    )
+    # a constant group has step 0: every code decodes to the minimum, i.e. exactly
+    d = step16.float().clamp(min=_SCALE_EPS).unsqueeze(-1)
+    codes = torch.round((y - z) / d).clamp(0, levels)
+    return pack_codes(codes, bits), step16, zero16
+
+
+def dequantize_rotated(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantized values still in the rotated domain: float32 ``[..., kv_heads, head_dim]``.
+    With ``zeros`` the groups are on the asymmetric grid (``scales`` are the steps)."""
     y = unpack_codes(codes, bits).float()
     # in place: these passes over the unpacked values dominate decode on quantized caches
-    y.sub_(m - 0.5).mul_(scales.float().unsqueeze(-1) / m)
+    if zeros is None:
+        m = float(1 << (bits - 1))
+        y.sub_(m - 0.5).mul_(scales.float().unsqueeze(-1) / m)
+    else:
+        y.mul_(scales.float().unsqueeze(-1)).add_(zeros.float().unsqueeze(-1))
     return y.flatten(-2)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`quantize`: float32 ``[..., kv_heads, head_dim]``."""
-    return rotate(dequantize_rotated(codes, scales, bits))
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize` (or of :func:`quantize_asymmetric`, given ``zeros``):
+    float32 ``[..., kv_heads, head_dim]``."""
+    return rotate(dequantize_rotated(codes, scales, bits, zeros))
+
+
+def encode(fmt: KVFormat, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``values [..., kv_heads, head_dim]`` as the tensors a store of ``fmt`` holds per token."""
+    if fmt.bits is None:
+        return {"data": values.to(fmt.dtype)}
+    if fmt.asymmetric:
+        codes, scales, zeros = quantize_asymmetric(values, fmt.bits)
+        return {"codes": codes, "scales": scales, "zeros": zeros}
+    codes, scales = quantize(values, fmt.bits)
+    return {"codes": codes, "scales": scales}
+
+
+def decode(fmt: KVFormat, tensors: dict[str, torch.Tensor], rotated: bool = False) -> torch.Tensor:
+    """Inverse of :func:`encode`: float32 ``[..., kv_heads, head_dim]``; with ``rotated``
+    quantized values stay in the rotated domain (unquantized ones are returned as they are)."""
+    if fmt.bits is None:
+        return tensors["data"].float()
+    y = dequantize_rotated(tensors["codes"], tensors["scales"], fmt.bits, tensors.get("zeros"))
+    return y if rotated else rotate(y)
 
 
 def allocate_pages(
@@ -206,10 +285,13 @@ def allocate_pages(
         shape = (num_pages, page_size, kv_heads, head_dim)
         return {"data": torch.zeros(shape, dtype=fmt.dtype, device=device)}
     lead = (num_pages, page_size, kv_heads, _groups_per_head(head_dim))
-    return {
+    store = {
         "codes": torch.zeros((*lead, fmt.bits), dtype=torch.int32, device=device),
         "scales": torch.zeros(lead, dtype=torch.float16, device=device),
     }
+    if fmt.asymmetric:
+        store["zeros"] = torch.zeros(lead, dtype=torch.float16, device=device)
+    return store
 
 
 def quantize_into(
@@ -220,18 +302,68 @@ def quantize_into(
     values: torch.Tensor,
 ) -> None:
     """Write ``values [n, kv_heads, head_dim]`` at the ``n`` (page, slot) pairs."""
-    if fmt.bits is None:
-        store["data"][page_idx, slot_idx] = values.to(fmt.dtype)
-        return
-    codes, scales = quantize(values, fmt.bits)
-    store["codes"][page_idx, slot_idx] = codes
-    store["scales"][page_idx, slot_idx] = scales
+    for name, tensor in encode(fmt, values).items():
+        store[name][page_idx, slot_idx] = tensor
 
 
 def dequantize_pages(
     fmt: KVFormat, store: dict[str, torch.Tensor], page_ids: torch.Tensor
 ) -> torch.Tensor:
     """Pages ``page_ids [p]`` as float32 ``[p, page_size, kv_heads, head_dim]``."""
-    if fmt.bits is None:
-        return store["data"][page_ids].float()
-    return dequantize(store["codes"][page_ids], store["scales"][page_ids], fmt.bits)
+    return decode(fmt, {name: t[page_ids] for name, t in store.items()})
+
+
+# ---- key offset: keys stored relative to R(p) mu ----------------------------------------
+
+
+def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
+    """``[positions, 2 * len(inv_freq)]`` float32: ``cos(p f_i)`` then ``sin(p f_i)`` per row.
+
+    Computed as the transformer's ``Rope`` computes its tables (the same float32 products
+    and ``cos``/``sin``), so ``R(p) mu`` here is bit for bit the model's RoPE of ``mu``.
+    """
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq.float().cpu())
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@dataclass(frozen=True)
+class KeyOffset:
+    """The offset ``R(p) mu`` one layer's quantized keys are stored relative to.
+
+    ``mean [kv_heads, head_dim]``: the pre-RoPE key mean ``mu``; ``table [N, head_dim]``:
+    :func:`rope_table` of the layer's RoPE for positions ``0..N-1`` (at least the longest
+    context attended).  Rotate-half RoPE: ``R(p) x = x cos_p + rotate_half(x) sin_p`` with
+    ``cos_p``/``sin_p`` repeating ``table[p]``'s halves over both halves of the head.
+    """
+
+    mean: torch.Tensor
+    table: torch.Tensor
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``R(p) mu`` for each position: float32 ``[len(positions), kv_heads, head_dim]``."""
+        half = self.mean.shape[-1] // 2
+        rows = self.table[positions]
+        cos = torch.cat((rows[:, :half], rows[:, :half]), -1).unsqueeze(-2)
+        sin = torch.cat((rows[:, half:], rows[:, half:]), -1).unsqueeze(-2)
+        # the transformer's apply_rope, term for term
+        return self.mean * cos + _rotate_half(self.mean) * sin
+
+    def query_terms(self, q: torch.Tensor) -> torch.Tensor:
+        """``z [..., n_heads, head_dim]`` with ``z . table[p] == q . R(p) mu`` (GQA: query
+        head ``i`` uses KV head ``i // (n_heads / kv_heads)``).
+
+        ``q . R(p) mu = (q * mu) . cos_p + (q * rotate_half(mu)) . sin_p``, and as ``cos_p``
+        and ``sin_p`` repeat over the two halves of the head, each half-pair folds into one
+        term: ``z = [u_lo + u_hi, w_lo + w_hi]`` with ``u = q * mu``, ``w = q * rotate_half(mu)``.
+        """
+        group = q.shape[-2] // self.mean.shape[0]
+        mu = self.mean.repeat_interleave(group, 0)
+        half = mu.shape[-1] // 2
+        u = q.float() * mu
+        w = q.float() * _rotate_half(mu)
+        return torch.cat((u[..., :half] + u[..., half:], w[..., :half] + w[..., half:]), -1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -11,6 +11,8 @@ All entry points share one calling convention:
   ``q_lens[b]`` positions.  Attention is causal within the new chunk and full over the
   cached prefix; with ``sliding_window`` a query at position ``i`` sees keys ``j`` with
   ``i - j < sliding_window``.  GQA: ``n_heads`` is a multiple of ``kv_heads``.
+* ``k_offset`` (optional, :class:`~kernels.kvquant.KeyOffset`): the keys are stored as
+  ``k - R(j) mu``; every path attends to the full key ``stored + R(j) mu``, exactly.
 
 :func:`paged_attention` gathers pages and calls ``scaled_dot_product_attention``; it is the
 reference for every other kernel.  For steps where every sequence brings one token there
@@ -35,7 +37,9 @@ multiply by 30 layers for a step):
     16 x 640      4-bit   5.61              3.07           1.69
 
 Quantized pages are still slower than fp32 here: decoding the codes costs more compute than
-the bytes saved, at these sizes.
+the bytes saved, at these sizes.  (Measured with the §6 midpoint grid and no key offset; the
+engine's quantized caches now add a key offset, one more dot product per key and query head,
+and read one more fp16 per group: not re-measured.)
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.kvquant import KVFormat, dequantize_pages, dequantize_rotated, rotate
+from kernels.kvquant import KeyOffset, KVFormat, decode, dequantize_pages, rotate
 
 __all__ = [
     "HAS_NUMBA",
@@ -68,6 +72,22 @@ def _check_args(q, block_tables, seq_lens, q_lens) -> None:
         raise ValueError(f"q has {q.shape[0]} rows but q_lens sums to {int(q_lens.sum())}")
     if bool((q_lens > seq_lens).any()) or bool((q_lens < 0).any()):
         raise ValueError("need 0 <= q_lens <= seq_lens")
+
+
+def _check_offset(k_offset: KeyOffset | None, q: torch.Tensor, k_store, seq_lens) -> None:
+    if k_offset is None:
+        return
+    kv_heads, head_dim = next(iter(k_store.values())).shape[2], q.shape[2]
+    if tuple(k_offset.mean.shape) != (kv_heads, head_dim) or k_offset.table.shape[1] != head_dim:
+        raise ValueError(
+            f"key offset shapes {tuple(k_offset.mean.shape)} / {tuple(k_offset.table.shape)} "
+            f"do not fit {kv_heads} kv heads x {head_dim}"
+        )
+    if len(seq_lens) and k_offset.table.shape[0] < int(seq_lens.max()):
+        raise ValueError(
+            f"key offset table covers {k_offset.table.shape[0]} positions, "
+            f"contexts reach {int(seq_lens.max())}"
+        )
 
 
 def _page_size(store: dict[str, torch.Tensor]) -> int:
@@ -94,13 +114,18 @@ def _attend(
     q_lens: list[int],
     scale: float,
     sliding_window: int | None,
+    k_offset: KeyOffset | None,
 ) -> torch.Tensor:
     """Attention of a few sequences padded to a common length: q ``[n, max_q, n_heads, d]``."""
     device = q.device
     context = max(seq_lens)
     pages = -(-context // _page_size(k_store))
     tables = block_tables[:, :pages].to(device=device, dtype=torch.long)
-    k = _gather_context(fmt_k, k_store, tables, context).transpose(1, 2)
+    k = _gather_context(fmt_k, k_store, tables, context)
+    if k_offset is not None:
+        # the keys as the model computed them: stored residual plus R(j) mu at position j
+        k = k + k_offset.at(torch.arange(context)).to(device)
+    k = k.transpose(1, 2)
     v = _gather_context(fmt_v, v_store, tables, context).transpose(1, 2)
 
     lens = torch.tensor(seq_lens, device=device)[:, None, None]
@@ -134,6 +159,7 @@ def paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Reference paged attention: gather (and dequantize) pages, then SDPA.
 
@@ -142,6 +168,7 @@ def paged_attention(
     chunk length.  Returns ``[total_q, n_heads, head_dim]`` in ``q.dtype``.
     """
     _check_args(q, block_tables, seq_lens, q_lens)
+    _check_offset(k_offset, q, k_store, seq_lens)
     seq_list = seq_lens.tolist()
     q_list = q_lens.tolist()
     starts = [0]
@@ -166,6 +193,7 @@ def paged_attention(
             [q_list[b] for b in batch],
             scale,
             sliding_window,
+            k_offset,
         )
         valid = offset < count
         out[index[valid]] = res[valid]
@@ -190,13 +218,8 @@ def _gather_tokens(fmt: KVFormat, store: dict[str, torch.Tensor], index: torch.T
     """Tokens at flat slots ``index [B, T]``: float32 ``[B, T, kv_heads, head_dim]``, in the
     rotated domain for quantized formats."""
     flat = index.reshape(-1)
-    if fmt.bits is None:
-        data = store["data"]
-        out = data.flatten(0, 1).index_select(0, flat).float()
-    else:
-        codes = store["codes"].flatten(0, 1).index_select(0, flat)
-        scales = store["scales"].flatten(0, 1).index_select(0, flat)
-        out = dequantize_rotated(codes, scales, fmt.bits)
+    rows = {name: t.flatten(0, 1).index_select(0, flat) for name, t in store.items()}
+    out = decode(fmt, rows, rotated=True)
     return out.reshape(*index.shape, *out.shape[1:])
 
 
@@ -211,6 +234,7 @@ def paged_decode(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Decode step (every ``q_lens[b] == 1``) without SDPA or whole-page copies.
 
@@ -219,9 +243,11 @@ def paged_decode(
     heads of one KV head as that head's query rows (no GQA expansion).  For quantized
     formats the cache is never rotated back: since the group rotation
     ``H`` is orthogonal and symmetric, ``q . (y H) = (q H) . y`` and ``sum_j p_j (y_j H) =
-    (sum_j p_j y_j) H``, so only ``q`` and the output are rotated.
+    (sum_j p_j y_j) H``, so only ``q`` and the output are rotated.  A key offset enters as an
+    additive score bias ``z . t_j`` (:meth:`~kernels.kvquant.KeyOffset.query_terms`).
     """
     _check_args(q, block_tables, seq_lens, q_lens)
+    _check_offset(k_offset, q, k_store, seq_lens)
     if bool((q_lens != 1).any()):
         raise ValueError("paged_decode needs q_lens == 1 for every sequence")
     batch, n_heads, head_dim = q.shape
@@ -242,8 +268,14 @@ def paged_decode(
     allowed = t < lens
     if sliding_window is not None:
         allowed &= lens - 1 - t < sliding_window
+    mask = allowed[:, None, None, :]
+    if k_offset is not None:
+        # SDPA adds a float mask to the scaled scores: the bias is scale * q . R(j) mu
+        z = k_offset.query_terms(q).reshape(batch, kv_heads, group, head_dim)
+        bias = (z @ k_offset.table[:context].to(q.device).T) * scale
+        mask = bias.masked_fill(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None, None, :], scale=scale
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     out = out.reshape(batch, n_heads, head_dim)
     if fmt_v.bits is not None:
@@ -268,10 +300,11 @@ if HAS_NUMBA:
     _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
 
     @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-    def _load_row(data, codes, scales, half_table, bits, page, slot, head, row):
+    def _load_row(data, codes, scales, zeros, asym, half_table, bits, page, slot, head, row):
         """One token's head vector into ``row`` (rotated domain when quantized; ``codes`` is
-        the byte view ``[P, S, kv_heads, Gh, 4 * bits]`` of the packed words; ``scales`` the
-        fp16 bit patterns, decoded through ``half_table`` as numba has no float16)."""
+        the byte view ``[P, S, kv_heads, Gh, 4 * bits]`` of the packed words; ``scales`` and,
+        for the asymmetric grid, ``zeros`` the fp16 bit patterns, decoded through
+        ``half_table`` as numba has no float16).  Either grid decodes as code * step + base."""
         if bits == 0:
             for d in range(row.shape[0]):
                 row[d] = data[page, slot, head, d]
@@ -280,8 +313,12 @@ if HAS_NUMBA:
         mask = (1 << bits) - 1
         for grp in range(scales.shape[3]):
             # float32 throughout: numba would promote float32 / int64 to float64
-            step = half_table[scales[page, slot, head, grp]] / np.float32(half)
-            base = np.float32((0.5 - half) * step)
+            if asym:
+                step = half_table[scales[page, slot, head, grp]]
+                base = half_table[zeros[page, slot, head, grp]]
+            else:
+                step = half_table[scales[page, slot, head, grp]] / np.float32(half)
+                base = np.float32((0.5 - half) * step)
             at = grp * 32
             if bits == 8:
                 for i in range(32):
@@ -309,8 +346,8 @@ if HAS_NUMBA:
 
     @numba.njit(cache=True, parallel=True, fastmath=_FASTMATH)
     def _decode_kernel(
-        q, tables, seq_lens, window, group, page_size, kd, kc, ks, kbits, vd, vc, vs, vbits,
-        half_table, out,
+        q, tables, seq_lens, window, group, page_size, kd, kc, ks, kz, kasym, kbits,
+        vd, vc, vs, vz, vasym, vbits, zq, offset_table, has_offset, half_table, out,
     ):  # fmt: skip
         batch, n_heads, head_dim = q.shape
         kv_heads = n_heads // group
@@ -330,11 +367,16 @@ if HAS_NUMBA:
                 last = min((logical + 1) * page_size, context) - logical * page_size
                 # scores for the whole page, then one rescale per query head
                 for slot in range(first, last):
-                    _load_row(kd, kc, ks, half_table, kbits, page, slot, h, row)
+                    _load_row(kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row)
+                    key = logical * page_size + slot
                     for g in range(group):
                         dot = np.float32(0.0)
                         for d in range(head_dim):
                             dot += q[b, h * group + g, d] * row[d]
+                        if has_offset:
+                            # q . R(key) mu as one more dot product (KeyOffset.query_terms)
+                            for d in range(head_dim):
+                                dot += zq[b, h * group + g, d] * offset_table[key, d]
                         scores[g, slot] = dot
                 for g in range(group):
                     new_best = best[g]
@@ -350,7 +392,7 @@ if HAS_NUMBA:
                         total[g] += e
                     best[g] = new_best
                 for slot in range(first, last):
-                    _load_row(vd, vc, vs, half_table, vbits, page, slot, h, row)
+                    _load_row(vd, vc, vs, vz, vasym, half_table, vbits, page, slot, h, row)
                     for g in range(group):
                         w = scores[g, slot]
                         for d in range(head_dim):
@@ -362,17 +404,22 @@ if HAS_NUMBA:
     _NO_DATA = np.zeros((1, 1, 1, 1), dtype=np.float32)
     _NO_CODES = np.zeros((1, 1, 1, 1, 1), dtype=np.uint8)
     _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.uint16)
+    _NO_QUERY_TERMS = np.zeros((1, 1, 1), dtype=np.float32)
+    _NO_TABLE = np.zeros((1, 1), dtype=np.float32)
     _HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 def _numba_store(fmt: KVFormat, store: dict[str, torch.Tensor]):
-    """(data, codes, scales, bits) numpy views of a store for the numba kernel."""
+    """(data, codes, scales, zeros, asymmetric, bits) numpy views of a store for the kernel."""
     if fmt.bits is None:
-        return store["data"].numpy(), _NO_CODES, _NO_SCALES, 0
+        return store["data"].numpy(), _NO_CODES, _NO_SCALES, _NO_SCALES, False, 0
     # the words' bytes: code i of a group is bits [i*b, (i+1)*b) of its little-endian bytes
     codes = store["codes"].numpy().view(np.uint8)
     scales = store["scales"].view(torch.int16).numpy().view(np.uint16)
-    return _NO_DATA, codes, scales, fmt.bits
+    if fmt.asymmetric:
+        zeros = store["zeros"].view(torch.int16).numpy().view(np.uint16)
+        return _NO_DATA, codes, scales, zeros, True, fmt.bits
+    return _NO_DATA, codes, scales, _NO_SCALES, False, fmt.bits
 
 
 def numba_supported(q: torch.Tensor, fmt_k: KVFormat, fmt_v: KVFormat) -> bool:
@@ -396,6 +443,7 @@ def paged_decode_numba(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Decode step (every ``q_lens[b] == 1``) by a numba kernel that reads K/V pages in place.
 
@@ -405,6 +453,7 @@ def paged_decode_numba(
     :func:`numba_supported`).
     """
     _check_args(q, block_tables, seq_lens, q_lens)
+    _check_offset(k_offset, q, k_store, seq_lens)
     if bool((q_lens != 1).any()):
         raise ValueError("paged_decode_numba needs q_lens == 1 for every sequence")
     if not numba_supported(q, fmt_k, fmt_v):
@@ -415,7 +464,7 @@ def paged_decode_numba(
         q, k_store, v_store, fmt_k, fmt_v,
         block_tables.to(torch.int64).contiguous().numpy(),
         seq_lens.to(torch.int64).contiguous().numpy(),
-        scale, sliding_window,
+        scale, sliding_window, k_offset,
     )  # fmt: skip
 
 
@@ -429,15 +478,21 @@ def decode_numba_unchecked(
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_numba` without its argument checks, on int64 numpy block tables
     and lengths: for callers that validated one step's batch once and run it through
     every layer (the checks cost more than the kernel on short contexts)."""
-    kd, kc, ks, kbits = _numba_store(fmt_k, k_store)
-    vd, vc, vs, vbits = _numba_store(fmt_v, v_store)
+    kd, kc, ks, kz, kasym, kbits = _numba_store(fmt_k, k_store)
+    vd, vc, vs, vz, vasym, vbits = _numba_store(fmt_v, v_store)
     kv_heads = next(iter(k_store.values())).shape[2]
     qf = rotate(q) if kbits else q.float()
     qf = (qf * scale).contiguous()
+    if k_offset is None:
+        zq, offset_table = _NO_QUERY_TERMS, _NO_TABLE
+    else:
+        zq = (k_offset.query_terms(q) * scale).contiguous().numpy()
+        offset_table = k_offset.table.float().contiguous().numpy()
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode_kernel(
         qf.numpy(),
@@ -446,7 +501,8 @@ def decode_numba_unchecked(
         sliding_window or 0,
         q.shape[1] // kv_heads,
         _page_size(k_store),
-        kd, kc, ks, kbits, vd, vc, vs, vbits,
+        kd, kc, ks, kz, kasym, kbits, vd, vc, vs, vz, vasym, vbits,
+        zq, offset_table, k_offset is not None,
         _HALF_TABLE,
         out.numpy(),
     )  # fmt: skip
@@ -466,6 +522,7 @@ def paged_attention_dispatch(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Pick the fastest path that handles this call.
 
@@ -479,13 +536,13 @@ def paged_attention_dispatch(
         try:
             from kernels.triton_paged_attention import triton_paged_attention
         except ImportError:  # no triton: the reference runs on CUDA tensors too
-            return paged_attention(*args, sliding_window=sliding_window)
-        return triton_paged_attention(*args, sliding_window=sliding_window)
+            return paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
+        return triton_paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
     if q.shape[0] == q_lens.shape[0] and bool((q_lens == 1).all()):
         if numba_supported(q, fmt_k, fmt_v):
-            return paged_decode_numba(*args, sliding_window=sliding_window)
-        return paged_decode(*args, sliding_window=sliding_window)
-    return paged_attention(*args, sliding_window=sliding_window)
+            return paged_decode_numba(*args, sliding_window=sliding_window, k_offset=k_offset)
+        return paged_decode(*args, sliding_window=sliding_window, k_offset=k_offset)
+    return paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
 
 
 def warm_up() -> bool:

@@ -13,6 +13,9 @@ softmax.  Each tile's physical page comes from the block table, so pages are rea
 never gathered.  Quantized pages are decoded in the kernel into the rotated domain; the
 rotation itself is applied to ``q`` before and to the output after the kernel (``H`` is
 orthogonal and symmetric: ``q . (y H) = (q H) . y`` and ``sum_j p_j y_j H = (sum_j p_j y_j) H``).
+With a key offset (keys stored as ``k - R(j) mu``) each score gains ``z . t_j``: ``z`` per
+query row from :meth:`~kernels.kvquant.KeyOffset.query_terms`, ``t_j`` the offset table's row
+for key position ``j``, one more ``tl.dot`` per tile.
 
 Import cost: triton is imported here, not in :mod:`kernels.paged_attention`.  Whether the
 interpreter is used is decided by ``TRITON_INTERPRET`` when this module is imported.
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kvquant import GROUP_SIZE, KVFormat, rotate
+from kernels.kvquant import GROUP_SIZE, KeyOffset, KVFormat, rotate
 
 __all__ = ["INTERPRETED", "triton_paged_attention"]
 
@@ -39,6 +42,7 @@ MAX_BLOCK_N = 64
 def _load_kv_tile(
     data_ptr,
     scale_ptr,
+    zero_ptr,
     page,
     slots,
     kv_head,
@@ -54,12 +58,14 @@ def _load_kv_tile(
     t_head,
     t_group,
     BITS: tl.constexpr,
+    ASYMMETRIC: tl.constexpr,
 ):
     """A ``[BLOCK_N, BLOCK_D]`` float32 tile of K or V for positions ``slots`` of ``page``.
 
     Unquantized (BITS == 0): ``data_ptr`` is ``[P, S, kv_heads, head_dim]``.  Quantized:
     ``data_ptr`` is the int32 codes ``[P, S, kv_heads, Gh, BITS]`` and ``scale_ptr`` the fp16
-    scales ``[P, S, kv_heads, Gh]``; the tile comes back in the rotated domain.
+    scales ``[P, S, kv_heads, Gh]`` (with ASYMMETRIC, the steps; ``zero_ptr`` then holds the
+    group minima, same layout); the tile comes back in the rotated domain.
     """
     row = page * s_page + slots[:, None].to(tl.int64) * s_slot + kv_head * s_head
     if BITS == 0:
@@ -81,6 +87,9 @@ def _load_kv_tile(
     code = ((lo_part | hi_part) & ((1 << BITS) - 1)).to(tl.float32)
     srow = page * t_page + slots[:, None].to(tl.int64) * t_slot + kv_head * t_head
     scale = tl.load(scale_ptr + srow + group[None, :] * t_group, mask=valid, other=0.0)
+    if ASYMMETRIC:
+        zero = tl.load(zero_ptr + srow + group[None, :] * t_group, mask=valid, other=0.0)
+        return code * scale.to(tl.float32) + zero.to(tl.float32)
     half_range: tl.constexpr = 1 << (BITS - 1)
     return (code - (half_range - 0.5)) * (scale.to(tl.float32) / half_range)
 
@@ -91,8 +100,12 @@ def _paged_attention_kernel(
     out_ptr,
     k_ptr,
     k_scale_ptr,
+    k_zero_ptr,
     v_ptr,
     v_scale_ptr,
+    v_zero_ptr,
+    z_ptr,
+    table_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     q_lens_ptr,
@@ -106,6 +119,9 @@ def _paged_attention_kernel(
     s_q_head,
     s_o_row,
     s_o_head,
+    s_z_row,
+    s_z_head,
+    s_table,
     s_bt,
     ks_page,
     ks_slot,
@@ -130,6 +146,9 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     K_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
+    K_ASYMMETRIC: tl.constexpr,
+    V_ASYMMETRIC: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -155,6 +174,9 @@ def _paged_attention_kernel(
     io_ok = row_ok[:, None] & dim_ok[None, :]
     q_off = (q_start + rows[:, None]).to(tl.int64) * s_q_row + heads[:, None] * s_q_head
     q = tl.load(q_ptr + q_off + dims[None, :], mask=io_ok, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        z_off = (q_start + rows[:, None]).to(tl.int64) * s_z_row + heads[:, None] * s_z_head
+        zq = tl.load(z_ptr + z_off + dims[None, :], mask=io_ok, other=0.0)
 
     chunk_start = seq_len - q_len + block * ROWS  # position of the block's first query row
     last = tl.minimum(chunk_start + ROWS, seq_len)  # past the last key any row sees
@@ -172,11 +194,20 @@ def _paged_attention_kernel(
         slots = key0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
         tile_ok = (keys < seq_len)[:, None] & dim_ok[None, :]
         k = _load_kv_tile(
-            k_ptr, k_scale_ptr, page, slots, kv_head, dims, tile_ok,
+            k_ptr, k_scale_ptr, k_zero_ptr, page, slots, kv_head, dims, tile_ok,
             ks_page, ks_slot, ks_head, ks_group, ks_word, kt_page, kt_slot, kt_head, kt_group,
-            K_BITS,
+            K_BITS, K_ASYMMETRIC,
         )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if HAS_OFFSET:
+            # q . R(j) mu, the part of each key the cache does not store
+            t = tl.load(
+                table_ptr + keys[:, None].to(tl.int64) * s_table + dims[None, :],
+                mask=tile_ok,
+                other=0.0,
+            )
+            scores += tl.dot(zq, tl.trans(t), input_precision="ieee")
+        scores = scores * sm_scale
         seen = (keys[None, :] <= pos[:, None]) & (keys < seq_len)[None, :]
         if HAS_WINDOW:
             seen = seen & (pos[:, None] - keys[None, :] < window)
@@ -186,9 +217,9 @@ def _paged_attention_kernel(
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(
-            v_ptr, v_scale_ptr, page, slots, kv_head, dims, tile_ok,
+            v_ptr, v_scale_ptr, v_zero_ptr, page, slots, kv_head, dims, tile_ok,
             vs_page, vs_slot, vs_head, vs_group, vs_word, vt_page, vt_slot, vt_head, vt_group,
-            V_BITS,
+            V_BITS, V_ASYMMETRIC,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
@@ -199,16 +230,18 @@ def _paged_attention_kernel(
 
 
 def _store_args(fmt: KVFormat, store: dict[str, torch.Tensor], head_dim: int):
-    """(data, scales, 5 data strides, 4 scale strides, bits) for the kernel."""
+    """(data, scales, zeros, 5 data strides, 4 scale strides, bits, asymmetric) for the kernel."""
     if fmt.bits is None:
         data = store["data"]
         s = data.stride()
         # for unquantized pages the "group" stride walks head_dim
-        return data, data, (s[0], s[1], s[2], s[3], 0), (0, 0, 0, 0), 0
+        return data, data, data, (s[0], s[1], s[2], s[3], 0), (0, 0, 0, 0), 0, False
     codes, scales = store["codes"], store["scales"]
     if head_dim % GROUP_SIZE:
         raise ValueError(f"quantized pages need head_dim % {GROUP_SIZE} == 0")
-    return codes, scales, codes.stride(), scales.stride(), fmt.bits
+    # the zeros share the scales' layout (allocate_pages), so the scale strides serve both
+    zeros = store["zeros"] if fmt.asymmetric else scales
+    return codes, scales, zeros, codes.stride(), scales.stride(), fmt.bits, fmt.asymmetric
 
 
 def _work_items(q_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,12 +264,13 @@ def triton_paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Paged attention in one Triton launch; see the module docstring."""
     total_q, n_heads, head_dim = q.shape
     device = q.device
-    k_data, k_scales, ks, kt, k_bits = _store_args(fmt_k, k_store, head_dim)
-    v_data, v_scales, vs, vt, v_bits = _store_args(fmt_v, v_store, head_dim)
+    k_data, k_scales, k_zeros, ks, kt, k_bits, k_asym = _store_args(fmt_k, k_store, head_dim)
+    v_data, v_scales, v_zeros, vs, vt, v_bits, v_asym = _store_args(fmt_v, v_store, head_dim)
     kv_heads = k_data.shape[2]
     page_size = k_data.shape[1]
     if n_heads % kv_heads:
@@ -244,6 +278,13 @@ def triton_paged_attention(
 
     qf = rotate(q) if k_bits else q.float()
     qf = qf.contiguous()
+    if k_offset is None:
+        zq, table = qf, qf  # not read: HAS_OFFSET is off
+    else:
+        if k_offset.table.shape[0] < int(seq_lens.max()):
+            raise ValueError("the key offset table does not cover the longest context")
+        zq = k_offset.query_terms(q).to(device).contiguous()
+        table = k_offset.table.to(device=device, dtype=torch.float32).contiguous()
     out = torch.empty(total_q, n_heads, head_dim, dtype=torch.float32, device=device)
     q_lens = q_lens.to(device=device, dtype=torch.int32)
     seq_lens = seq_lens.to(device=device, dtype=torch.int32)
@@ -259,16 +300,20 @@ def triton_paged_attention(
     block_n = min(MAX_BLOCK_N, page_size)
     grid = (len(item_seq), kv_heads)
     _paged_attention_kernel[grid](
-        qf, out, k_data, k_scales, v_data, v_scales,
+        qf, out, k_data, k_scales, k_zeros, v_data, v_scales, v_zeros, zq, table,
         block_tables, seq_lens, q_lens, q_starts, item_seq, item_block,
         scale, sliding_window or 0, head_dim,
-        qf.stride(0), qf.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        qf.stride(0), qf.stride(1), out.stride(0), out.stride(1),
+        zq.stride(0), zq.stride(1), table.stride(0), block_tables.stride(0),
         *ks, *kt, *vs, *vt,
         GROUP=group,
         ROWS=rows,
         PAGE_SIZE=page_size,
         K_BITS=k_bits,
         V_BITS=v_bits,
+        K_ASYMMETRIC=k_asym,
+        V_ASYMMETRIC=v_asym,
+        HAS_OFFSET=k_offset is not None,
         HAS_WINDOW=sliding_window is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

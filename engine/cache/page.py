@@ -50,16 +50,23 @@ class PagesUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class CacheFingerprint:
-    """What makes K/V of two caches interchangeable: model and cache format."""
+    """What makes K/V of two caches interchangeable: model and cache format.
+
+    ``calibration`` identifies the key mean a quantized K cache stores its keys relative to
+    (a digest of it, ``engine.cache.kv_cache.KeyCalibration``): pages written against one
+    mean read back wrong against another."""
 
     model: str
     page_size: int
     k_bits: int = 32
     v_bits: int = 32
+    calibration: str = ""
 
     def root_digest(self) -> bytes:
         """The digest every root page chains from."""
         text = f"folio-kv|{self.model}|page={self.page_size}|k={self.k_bits}|v={self.v_bits}"
+        if self.calibration:
+            text += f"|kmean={self.calibration}"
         return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
 
 

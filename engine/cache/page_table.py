@@ -198,11 +198,13 @@ class PageTable:
     def pages_total(self, num_tokens: int, max_rq_tokens: int) -> int:
         return -(-(num_tokens + max_rq_tokens) // self.page_size)
 
-    def pages_needed(self, token_ids: Sequence[int], max_rq_tokens: int) -> int:
+    def pages_needed(self, token_ids: Sequence[int], max_rq_tokens: int, reuse: bool = True) -> int:
         """Unreferenced pages an allocation would consume now: its context pages not
         currently referenced plus its new pages."""
-        ctx = self.context_hashes(token_ids)
         total = self.pages_total(len(token_ids), max_rq_tokens)
+        if not reuse:
+            return total
+        ctx = self.context_hashes(token_ids)
         return sum(1 for h in ctx if h not in self.referenced) + total - len(ctx)
 
     def can_allocate(self, token_ids: Sequence[int], max_rq_tokens: int) -> bool:
@@ -216,8 +218,11 @@ class PageTable:
 
     # -- allocation ----------------------------------------------------------------
 
-    def allocate(self, job_id: int, token_ids: Sequence[int], max_rq_tokens: int) -> Allocation:
-        """Reserve every page the job can need this round (§2)."""
+    def allocate(
+        self, job_id: int, token_ids: Sequence[int], max_rq_tokens: int, reuse: bool = True
+    ) -> Allocation:
+        """Reserve every page the job can need this round (§2). With ``reuse`` off
+        (prefix caching disabled) no context page is looked up: every page is fresh."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("a job needs at least one prompt token")
@@ -225,7 +230,7 @@ class PageTable:
             raise ValueError(f"job {job_id} already holds an allocation")
         self.check_fits(len(tokens), max_rq_tokens)
         ps = self.page_size
-        ctx = self.context_hashes(tokens)
+        ctx = self.context_hashes(tokens) if reuse else []
         total = self.pages_total(len(tokens), max_rq_tokens)
         needed = sum(1 for h in ctx if h not in self.referenced) + total - len(ctx)
         if needed > len(self.unreferenced):
@@ -261,7 +266,8 @@ class PageTable:
             parent = rec.hash
         if self._victims.skipped_protected:
             self._victims.stale, self._victims.skipped_protected = True, False
-        self._copy_partial_page(alloc, tokens)
+        if reuse:
+            self._copy_partial_page(alloc, tokens)
         alloc.cached_tokens = self._cached_prefix(alloc)
         n_prompt_pages = -(-len(tokens) // ps)
         alloc.prefill_pages = [
@@ -271,6 +277,11 @@ class PageTable:
         self.counters.prefix_hit_tokens += alloc.cached_tokens
         self.allocations[job_id] = alloc
         return alloc
+
+    def count_prefix_hit(self, tokens: int) -> None:
+        """Prompt tokens a job did not compute because another job filled their pages
+        after its allocation (a live share): hits like those found at allocation."""
+        self.counters.prefix_hit_tokens += tokens
 
     def _cached_prefix(self, alloc: Allocation) -> int:
         cached = 0
@@ -594,6 +605,21 @@ class PageTable:
         return child
 
     # -- eviction, defrag, clear ---------------------------------------------------
+
+    def next_victims(self, count: int) -> list[int]:
+        """The first ``count`` unreferenced pages the next allocations would take. Uses
+        (and, when stale, rebuilds) the order allocation consumes, so a UI asking every
+        frame costs a rebuild only after pages were released."""
+        v = self._victims
+        if v.stale:
+            v.order, v.position, v.stale = self.eviction_order(), 0, False
+        out = []
+        for idx in itertools.islice(v.order, v.position, None):
+            if self.pages[idx].ref_count == 0:
+                out.append(idx)
+                if len(out) == count:
+                    break
+        return out
 
     def eviction_order(self, protected: frozenset[bytes] | set[bytes] = frozenset()) -> list[int]:
         return eviction_order(self.pages, protected, self.policy)

@@ -3,8 +3,10 @@
 Per layer, K and V are each a dict ``name -> tensor`` whose first two dims are
 ``[num_pages, page_size]``. The unquantized format is ``{"data": [P, S, kv_heads,
 head_dim]}``; a quantized format (``kernels/kvquant.py``) supplies e.g. ``{"codes",
-"scales"}`` through an allocator. The storage never looks inside a row, so every copy
-it does (page, rows, cycle, across storages) works for every format.
+"scales", "zeros"}`` through an allocator. The storage never looks inside a row, so every
+copy it does (page, rows, cycle, across storages) works for every format, and its byte
+counts (``bytes_per_page``, ``bytes_per_token``) are those of the tensors allocated: the
+codes and every per-group fp16 parameter.
 """
 
 from __future__ import annotations

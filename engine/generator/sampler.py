@@ -152,6 +152,11 @@ class Sampler:
         greedy row draws none. None as a generator uses torch's global generator."""
         if len(generators) != len(settings):
             raise ValueError(f"got {len(generators)} generators for {len(settings)} rows")
+        if all(_plain_greedy(s) for s in settings):
+            # Nothing to process: the argmax of the raw logits (the common chat case,
+            # and most of a decode step's sampling time otherwise).
+            _check_batch(logits, settings, prompt_tokens, generated_tokens)
+            return logits.argmax(dim=-1)
         scores = process_logits(logits, settings, prompt_tokens, generated_tokens)
         tokens = scores.argmax(dim=-1)  # greedy rows: their only finite token
         rows = [i for i, s in enumerate(settings) if not s.greedy]
@@ -169,6 +174,16 @@ class Sampler:
             return picked
         tokens[torch.tensor(rows, device=tokens.device)] = picked
         return tokens
+
+
+def _plain_greedy(s: SamplingSettings) -> bool:
+    return (
+        s.greedy
+        and not s.logit_bias
+        and s.repetition_penalty == 1.0
+        and s.presence_penalty == 0.0
+        and s.frequency_penalty == 0.0
+    )
 
 
 def _draw_uniform(generator: torch.Generator | None) -> float:

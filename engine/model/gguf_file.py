@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
     GGUFValueType.UINT16: "<H",
@@ -36,7 +36,7 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.FLOAT64: "<d",
 }
 _NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
-    vt: np.dtype(fmt) for vt, fmt in _SCALAR_FORMATS.items()
+    vt: np.dtype(fmt) for vt, fmt in SCALAR_FORMATS.items()
 }
 
 
@@ -111,7 +111,7 @@ class GGUFFile:
             return self._read_string()
         if vtype == GGUFValueType.ARRAY:
             return self._read_array()
-        return self._read(_SCALAR_FORMATS[vtype])
+        return self._read(SCALAR_FORMATS[vtype])
 
     def _read_array(self) -> Any:
         etype = GGUFValueType(self._read("<I"))

@@ -192,6 +192,12 @@ class Transformer:
             Rope(config.head_dim, config.rope_local_theta) if config.rope_local_theta is not None else self.rope
         )
 
+    def key_rope(self, index: int) -> Rope:
+        """The rotary embedding layer ``index`` applies to its keys (the local one on
+        sliding layers): a quantized K cache stores keys relative to this rotation of
+        their calibrated mean."""
+        return self.rope_local if self.layers[index].sliding else self.rope
+
     def weight_bytes(self) -> int:
         n = self.embedding.numel() * self.embedding.element_size()
         if not (isinstance(self.lm_head, Linear) and self.lm_head.weight is self.embedding):

@@ -26,13 +26,15 @@ def test_fp32_perplexity_is_sane(fp32_ppl):
     assert 2.0 < fp32_ppl < 40.0
 
 
-# (K bits, V bits, allowed perplexity increase). Measured on this text: K8/V8 +0.08%,
-# K8/V4 +0.7%, K4/V4 +7.6%: 4-bit keys miss ENGINE_SPEC's 2-3% target on this small
-# model (V tolerates 4 bits, K does not yet); the last case guards against regressions.
-@pytest.mark.parametrize("k_bits,v_bits,budget", [(8, 8, 0.005), (8, 4, 0.03), (4, 4, 0.10)])
+# (K bits, V bits, allowed perplexity increase). Measured on this text (keys stored relative
+# to their calibrated mean, K and V on the min/max grid, docs/KV_QUANT.md): K8/V8 +0.03%,
+# K8/V4 +0.42%, K4/V4 +1.88% (ENGINE_SPEC §6 aims for about 2%; +7.6% before the key mean).
+@pytest.mark.parametrize("k_bits,v_bits,budget", [(8, 8, 0.005), (8, 4, 0.015), (4, 4, 0.03)])
 def test_quantized_cache_perplexity(smollm2_int4, text_ids, fp32_ppl, k_bits, v_bits, budget):
     ppl = perplexity(smollm2_int4, text_ids, k_bits=k_bits, v_bits=v_bits)
-    assert ppl / fp32_ppl - 1 < budget, f"K{k_bits}/V{v_bits} cache: {ppl:.4f} against fp32 {fp32_ppl:.4f}"
+    assert ppl / fp32_ppl - 1 < budget, (
+        f"K{k_bits}/V{v_bits}: {ppl:.4f} against fp32 {fp32_ppl:.4f}"
+    )
 
 
 def test_two_bit_cache_is_worse_but_finite(smollm2_int4, text_ids, fp32_ppl):

@@ -5,16 +5,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.kv_cache import CacheSettings, KVCache
+import engine.cache.kv_cache as kv_cache
+from engine.cache.kv_cache import (
+    CacheSettings,
+    KeyCalibration,
+    KVCache,
+    calibrate_keys,
+    calibration_ids,
+)
 from engine.generate import Completion, SequenceRunner, generate
 from engine.model.loader import load_model
+from engine.model.transformer import apply_rope
+from kernels.paged_attention import paged_attention
 from tests.engine.tiny_models import make_hf_model, save_hf_folder
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = save_hf_folder(make_hf_model("qwen3", seed=11), tmp_path_factory.mktemp("tiny") / "m")
-    return load_model(folder, load_tokenizer=False)
+def tiny_folder(tmp_path_factory):
+    return save_hf_folder(make_hf_model("qwen3", seed=11), tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return load_model(tiny_folder, load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    """Sliding-window layers with their own (local) RoPE base, a global layer every 6th."""
+    model = make_hf_model("gemma3", seed=12)
+    return load_model(
+        save_hf_folder(model, tmp_path_factory.mktemp("gemma") / "m"), load_tokenizer=False
+    )
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
@@ -22,7 +44,9 @@ def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
 
 
 def _fresh_logits(loaded, ids: list[int], page_size: int = 16) -> torch.Tensor:
-    cache = KVCache.for_model(loaded, CacheSettings(page_size=page_size, token_budget=2 * len(ids) + page_size))
+    cache = KVCache.for_model(
+        loaded, CacheSettings(page_size=page_size, token_budget=2 * len(ids) + page_size)
+    )
     return SequenceRunner(loaded, cache, ids).step(all_logits=True)
 
 
@@ -66,10 +90,99 @@ def test_partial_page_rows_are_reused(tiny):
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.02), (4, 0.12)])
 def test_quantized_cache_close_to_fp32(tiny, bits, tolerance):
     ids = _ids(50, seed=6)
-    cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=128, k_bits=bits, v_bits=bits))
-    assert cache.nbytes() < KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=128)).nbytes() / 2
+    cache = KVCache.for_model(
+        tiny, CacheSettings(page_size=16, token_budget=128, k_bits=bits, v_bits=bits)
+    )
+    assert (
+        cache.nbytes()
+        < KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=128)).nbytes() / 2
+    )
     logits = SequenceRunner(tiny, cache, ids).step(all_logits=True)
     assert _rel(logits, _fresh_logits(tiny, ids)) < tolerance
+
+
+# ---- quantized K: keys stored relative to the calibrated mean ----------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_key_calibration_is_the_pre_rope_key_mean(tiny, tiny_gemma, monkeypatch, family):
+    """The means are those of the keys before RoPE (after k_norm: both families have one),
+    undone with each layer's own rope: Gemma 3's sliding layers use the local base."""
+    loaded = tiny if family == "qwen3" else tiny_gemma
+    ids, source = calibration_ids(loaded)
+    assert len(ids) == loaded.config.max_position_embeddings == 512 and "random" in source
+    model = loaded.model
+    assert any(layer.sliding for layer in model.layers) == (family == "gemma3")
+    keys = {}
+    write = KVCache.write
+
+    def recording_write(self, layer, k, v, batch):
+        rope = model.rope_local if model.layers[layer].sliding else model.rope
+        cos, sin = rope.tables(batch.positions)
+        keys[layer] = apply_rope(k.float(), cos, -sin)  # R(p)^-1 = R(-p)
+        write(self, layer, k, v, batch)
+
+    monkeypatch.setattr(KVCache, "write", recording_write)
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=64, token_budget=len(ids)))
+    SequenceRunner(loaded, cache, ids).step()
+    monkeypatch.undo()
+    calibration = calibrate_keys(loaded)
+    for layer, k in keys.items():
+        torch.testing.assert_close(calibration.means[layer], k.mean(0), atol=1e-5, rtol=1e-5)
+    # deterministic, so that equal caches fingerprint equally
+    assert calibrate_keys(loaded).digest == calibration.digest
+
+
+def test_quantized_k_cache_calibrates_once_and_fingerprints_it(tiny_folder):
+    loaded = load_model(tiny_folder, load_tokenizer=False)
+    small = dict(page_size=16, token_budget=64)
+    KVCache.for_model(loaded, CacheSettings(**small, v_bits=4))
+    assert loaded.key_calibration is None  # only quantized keys need the mean
+    k4 = KVCache.for_model(loaded, CacheSettings(**small, k_bits=4, v_bits=4))
+    calibration = loaded.key_calibration
+    assert isinstance(calibration, KeyCalibration) and k4.calibration is calibration
+    assert KVCache.for_model(loaded, CacheSettings(**small, k_bits=8)).calibration is calibration
+    assert k4.fingerprint.calibration == calibration.digest
+
+    cfg = loaded.config
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.fingerprint)
+    settings = CacheSettings(**small, k_bits=4, v_bits=4)
+    same = KVCache(*shape, settings, calibration)
+    assert same.pages.root_digest == k4.pages.root_digest
+    shifted = KeyCalibration.of(calibration.means + 1e-3, calibration.inv_freq, "shifted")
+    assert KVCache(*shape, settings, shifted).pages.root_digest != k4.pages.root_digest
+    assert KVCache(*shape, settings).pages.root_digest != k4.pages.root_digest
+    # an unquantized K cache ignores a calibration
+    plain = KVCache(*shape, CacheSettings(**small), calibration)
+    assert plain.calibration is None and plain.fingerprint.calibration == ""
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_quantized_decode_kernel_matches_reference(tiny, tiny_gemma, monkeypatch, family):
+    """Decode steps through the numba kernel (or whichever decode path this machine has)
+    and through the SDPA reference read the same quantized pages: equal logits. Gemma 3's
+    8-token sliding window is crossed by the 40-token context."""
+    loaded = tiny if family == "qwen3" else tiny_gemma
+    ids = _ids(30, seed=7)
+    follow = _ids(10, seed=8)
+
+    def run() -> torch.Tensor:
+        settings = CacheSettings(page_size=16, token_budget=128, k_bits=4, v_bits=4)
+        cache = KVCache.for_model(loaded, settings)
+        runner = SequenceRunner(loaded, cache, ids, max_new_tokens=len(follow))
+        out = [runner.step()]
+        for token in follow:
+            runner.append(token)
+            out.append(runner.step())
+        return torch.stack(out)
+
+    fast = run()
+    monkeypatch.setattr(kv_cache, "decode_numba_unchecked", None)  # fail loudly if reached
+    monkeypatch.setattr(kv_cache, "numba_supported", lambda *args: False)
+    monkeypatch.setattr(kv_cache, "paged_attention_dispatch", paged_attention)
+    reference = run()
+    # rounding differences between the paths can flip a code of a later token: 2e-5 seen
+    assert _rel(fast, reference) < 1e-4
 
 
 def test_prompt_larger_than_cache_is_refused(tiny):
@@ -87,8 +200,19 @@ def test_smollm2_paged_generation_reuses_prefix(smollm2_dequant):
     for question in ("What is two plus two?", "Name a planet."):
         ids = tok.encode_chat([system, {"role": "user", "content": question}])
         shared, alone = Completion(), Completion()
-        shared_text = "".join(generate(smollm2_dequant, ids, max_new_tokens=12, temperature=0, completion=shared, cache=cache))
-        alone_text = "".join(generate(smollm2_dequant, ids, max_new_tokens=12, temperature=0, completion=alone))
+        shared_text = "".join(
+            generate(
+                smollm2_dequant,
+                ids,
+                max_new_tokens=12,
+                temperature=0,
+                completion=shared,
+                cache=cache,
+            )
+        )
+        alone_text = "".join(
+            generate(smollm2_dequant, ids, max_new_tokens=12, temperature=0, completion=alone)
+        )
         assert shared_text == alone_text and shared.token_ids == alone.token_ids
         replies.append(shared)
         cache.pages.validate()

@@ -12,7 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.kvquant import KVFormat, allocate_pages, dequantize, quantize, quantize_into
+from kernels.kvquant import (
+    KeyOffset,
+    KVFormat,
+    allocate_pages,
+    decode,
+    encode,
+    quantize_into,
+    rope_table,
+)
 from kernels.paged_attention import (
     HAS_NUMBA,
     paged_attention,
@@ -23,6 +31,11 @@ from kernels.paged_attention import (
 
 FP32 = KVFormat(None)
 EXACT = 1e-5
+
+
+def asym(bits: int) -> KVFormat:
+    return KVFormat(bits, asymmetric=True)
+
 
 # (context length, new tokens): a full prefill, prefill chunks over a cached prefix (one
 # crossing page boundaries), decodes at various lengths, and a sequence idle this step.
@@ -43,6 +56,7 @@ class Case:
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
     scale: float
+    k_offset: KeyOffset | None = None  # keys stored as k - R(j) mu
 
     def paged(self, fn=paged_attention, sliding_window=None) -> torch.Tensor:
         return fn(
@@ -56,6 +70,7 @@ class Case:
             self.q_lens,
             self.scale,
             sliding_window=sliding_window,
+            k_offset=self.k_offset,
         )
 
     def reference(self, sliding_window=None, keys=None, values=None) -> torch.Tensor:
@@ -69,14 +84,19 @@ class Case:
         )
 
     def stored(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K/V as the cache holds them (after quantization)."""
+        """K/V as the cache holds them (after quantization), keys with R(j) mu added back."""
 
-        def back(fmt, xs):
-            if fmt.bits is None:
-                return [x.to(fmt.dtype).float() for x in xs]
-            return [dequantize(*quantize(x, fmt.bits), fmt.bits) for x in xs]
+        def back(fmt, x):
+            return decode(fmt, encode(fmt, x))
 
-        return back(self.fmt_k, self.keys), back(self.fmt_v, self.values)
+        keys = []
+        for k in self.keys:
+            if self.k_offset is None:
+                keys.append(back(self.fmt_k, k))
+            else:
+                mu_p = self.k_offset.at(torch.arange(k.shape[0]))
+                keys.append(back(self.fmt_k, k - mu_p) + mu_p)
+        return keys, [back(self.fmt_v, v) for v in self.values]
 
 
 def contiguous_attention(q, keys, values, q_lens, scale, sliding_window=None) -> torch.Tensor:
@@ -114,8 +134,17 @@ def make_case(
     seed=0,
     spare_pages=3,
     extra_columns=2,
+    key_mean=0.0,
 ) -> Case:
+    """Random K/V written into shuffled pages.  With ``key_mean`` the keys get a constant
+    pre-RoPE offset of that size (as real keys have) and are stored relative to it through
+    a :class:`KeyOffset`, as the engine stores quantized keys."""
     g = torch.Generator().manual_seed(seed)
+    k_offset = None
+    if key_mean:
+        mean = torch.randn(kv_heads, head_dim, generator=g) * key_mean
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        k_offset = KeyOffset(mean, rope_table(inv_freq, max(ctx for ctx, _ in shapes) + 5))
     pages_per_seq = [-(-ctx // page_size) for ctx, _ in shapes]
     num_pages = sum(pages_per_seq) + spare_pages
     order = torch.randperm(num_pages, generator=g)  # shuffled, non-contiguous pages
@@ -132,7 +161,10 @@ def make_case(
         k = torch.randn(ctx, kv_heads, head_dim, generator=g)
         v = torch.randn(ctx, kv_heads, head_dim, generator=g)
         t = torch.arange(ctx)
-        quantize_into(fmt_k, k_store, pages[t // page_size], t % page_size, k)
+        if k_offset is not None:
+            k = k + k_offset.at(t)
+        stored = k if k_offset is None else k - k_offset.at(t)
+        quantize_into(fmt_k, k_store, pages[t // page_size], t % page_size, stored)
         quantize_into(fmt_v, v_store, pages[t // page_size], t % page_size, v)
         keys.append(k)
         values.append(v)
@@ -150,6 +182,7 @@ def make_case(
         seq_lens=torch.tensor([ctx for ctx, _ in shapes]),
         q_lens=q_lens,
         scale=head_dim**-0.5,
+        k_offset=k_offset,
     )
 
 
@@ -202,6 +235,51 @@ def test_quantized_cache(bits):
     assert _rel_err(out, case.reference()) < QUANT_ERR[bits]
 
 
+# The engine's formats: both grids asymmetric, keys with a constant pre-RoPE offset of size 3
+# (SmolLM2's run to 12) stored relative to it.  Measured (with or without a window of 20):
+# K8/V8 0.0055, K4/V4 0.093, K8/V4 0.077, K4/V8 0.052; the same keys quantized directly
+# (offset included): K4/V4 1.15; attending without adding the offset back: 0.63.
+QUANT_ERR_OFFSET = {(8, 8): 0.0075, (4, 4): 0.12, (8, 4): 0.1, (4, 8): 0.07}
+
+
+@pytest.mark.parametrize("bits", list(QUANT_ERR_OFFSET), ids=lambda b: f"k{b[0]}v{b[1]}")
+@pytest.mark.parametrize("window", [None, 20])
+def test_quantized_cache_with_key_offset(bits, window):
+    case = make_case(MIXED, 16, 9, 3, fmt_k=asym(bits[0]), fmt_v=asym(bits[1]), key_mean=3.0)
+    out = case.paged(sliding_window=window)
+    # SDPA on the dequantized keys plus R(j) mu and the dequantized values
+    keys, values = case.stored()
+    assert _max_err(out, case.reference(window, keys=keys, values=values)) < EXACT
+    assert _rel_err(out, case.reference(window)) < QUANT_ERR_OFFSET[bits]
+
+
+def test_key_offset_is_added_back():
+    """The offset is not optional: attending without it is far from the true keys."""
+    case = make_case(MIXED, 16, 9, 3, fmt_k=asym(4), fmt_v=asym(4), key_mean=3.0)
+    ref = case.reference()
+    assert _rel_err(case.paged(), ref) < QUANT_ERR_OFFSET[(4, 4)]
+    offset, case.k_offset = case.k_offset, None
+    assert _rel_err(case.paged(), ref) > 0.5
+    # nor can it be short: every key position must have a table row
+    case.k_offset = KeyOffset(offset.mean, offset.table[:100])
+    with pytest.raises(ValueError, match="positions"):
+        case.paged()
+
+
+def test_key_offset_beats_quantizing_the_offset():
+    """The same keys quantized directly (offset included) lose far more."""
+    with_offset = make_case(MIXED, 16, 9, 3, fmt_k=asym(4), fmt_v=asym(4), key_mean=3.0)
+    ref = with_offset.reference()
+    direct = make_case(MIXED, 16, 9, 3, fmt_k=asym(4), fmt_v=asym(4))
+    # the same full keys, written without the offset
+    for b, k in enumerate(with_offset.keys):
+        t = torch.arange(k.shape[0])
+        pages = direct.block_tables[b, t // 16].long()
+        quantize_into(direct.fmt_k, direct.k_store, pages, t % 16, k)
+    direct.q = with_offset.q
+    assert _rel_err(with_offset.paged(), ref) < 0.2 * _rel_err(direct.paged(), ref)
+
+
 @st.composite
 def _batches(draw):
     """Random batches: (context, new tokens) pairs, page size, heads and window."""
@@ -245,11 +323,20 @@ def test_rejects_inconsistent_lengths():
 
 @pytest.mark.parametrize("page_size", [16, 256])
 @pytest.mark.parametrize(
-    "fmts", [(FP32, FP32), (KVFormat(8), KVFormat(8)), (KVFormat(4), KVFormat(6))], ids=str
+    "fmts",
+    [
+        (FP32, FP32),
+        (KVFormat(8), KVFormat(8)),
+        (KVFormat(4), KVFormat(6)),
+        (asym(4), asym(4)),
+        (asym(8), asym(3)),
+    ],
+    ids=str,
 )
 @pytest.mark.parametrize("window", [None, 20])
-def test_decode_path_matches_reference(page_size, fmts, window):
-    case = make_case(DECODE, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1])
+@pytest.mark.parametrize("key_mean", [0.0, 3.0], ids=["no_offset", "offset"])
+def test_decode_path_matches_reference(page_size, fmts, window, key_mean):
+    case = make_case(DECODE, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1], key_mean=key_mean)
     ref = case.paged(sliding_window=window)
     assert _max_err(case.paged(paged_decode, window), ref) < EXACT
 
@@ -265,12 +352,16 @@ def test_decode_path_matches_reference(page_size, fmts, window):
         (KVFormat(3), KVFormat(7)),
         (FP32, KVFormat(5)),
         (KVFormat(6), FP32),
+        (asym(4), asym(4)),
+        (asym(7), asym(2)),
+        (FP32, asym(5)),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("window", [None, 20])
-def test_numba_decode_matches_reference(page_size, fmts, window):
-    case = make_case(DECODE, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1])
+@pytest.mark.parametrize("key_mean", [0.0, 3.0], ids=["no_offset", "offset"])
+def test_numba_decode_matches_reference(page_size, fmts, window, key_mean):
+    case = make_case(DECODE, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1], key_mean=key_mean)
     ref = case.paged(sliding_window=window)
     assert _max_err(case.paged(paged_decode_numba, window), ref) < EXACT
 
@@ -288,8 +379,8 @@ def test_numba_decode_rejects_fp16_pages_and_prefill():
 def test_dispatch_on_cpu_uses_torch_paths():
     half = KVFormat(None, torch.float16)
     for shapes in (MIXED, DECODE):
-        for fmt in (FP32, half, KVFormat(6)):
-            case = make_case(shapes, 16, fmt_k=fmt, fmt_v=fmt)
+        for fmt in (FP32, half, KVFormat(6), asym(4)):
+            case = make_case(shapes, 16, fmt_k=fmt, fmt_v=fmt, key_mean=3.0 if fmt.bits else 0.0)
             assert _max_err(case.paged(paged_attention_dispatch), case.paged()) < EXACT
 
 
@@ -323,23 +414,32 @@ TRITON_SHAPES = [(1, 1), (20, 1), (40, 1), (150, 3), (33, 5), (18, 18), (9, 0), 
         (KVFormat(3), KVFormat(8)),
         (FP32, KVFormat(4)),
         (KVFormat(2), FP32),
+        (asym(4), asym(4)),
+        (asym(8), asym(3)),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_triton_matches_reference(triton_interpreter, fmts, window, page_size):
-    case = make_case(TRITON_SHAPES, page_size, 4, 2, 32, fmt_k=fmts[0], fmt_v=fmts[1])
+    # keys stored relative to a key offset whenever they are quantized, as the engine does
+    key_mean = 3.0 if fmts[0].bits else 0.0
+    case = make_case(
+        TRITON_SHAPES, page_size, 4, 2, 32, fmt_k=fmts[0], fmt_v=fmts[1], key_mean=key_mean
+    )
     ref = case.paged(sliding_window=window)
     out = case.paged(triton_interpreter.triton_paged_attention, window)
     assert _max_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("fmt", [FP32, KVFormat(5)], ids=str)
+@pytest.mark.parametrize("fmt", [FP32, KVFormat(5), asym(4)], ids=str)
 def test_triton_odd_head_dim_and_smollm2_heads(triton_interpreter, fmt):
     """head_dim 96 is not a power of two (the kernel pads to 128 and masks); 9 query heads
     on 3 KV heads put 5 query rows x 3 heads in each 16-row tile."""
-    case = make_case([(40, 1), (23, 23), (70, 2)], 16, 9, 3, 96, fmt_k=fmt, fmt_v=fmt)
+    key_mean = 3.0 if fmt.asymmetric else 0.0
+    case = make_case(
+        [(40, 1), (23, 23), (70, 2)], 16, 9, 3, 96, fmt_k=fmt, fmt_v=fmt, key_mean=key_mean
+    )
     out = case.paged(triton_interpreter.triton_paged_attention)
     assert _max_err(out, case.paged()) < 1e-4
 

@@ -147,3 +147,21 @@ def test_every_unreferenced_page_appears_once():
             table.release(job)
     order = table.eviction_order()
     assert sorted(order) == sorted(p.index for p in table.unreferenced.values())
+
+
+def test_next_victims_is_the_order_allocation_consumes():
+    from engine.cache.page_table import PageTable
+
+    table = PageTable(8, 16, "fp")
+    for job, first in ((1, 0), (2, 500)):
+        tokens = list(range(first, first + 40))
+        alloc = table.allocate(job, tokens, 0)
+        for i in range(len(alloc.block_table)):
+            fill = min(16, len(tokens) - i * 16)
+            table.mark_filled(alloc, i, tokens[i * 16 : i * 16 + fill], fill)
+        table.release(alloc)
+    expected = [i for i in table.eviction_order() if table.pages[i].ref_count == 0][:5]
+    assert table.next_victims(5) == expected
+    taken = table.allocate(3, list(range(900, 930)), 0)  # two fresh pages
+    assert taken.block_table == expected[:2]
+    assert table.next_victims(3) == expected[2:5]

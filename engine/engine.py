@@ -1,0 +1,360 @@
+"""The engine a program talks to: a model, its paged cache and the generator, run by
+one background thread.
+
+Every other thread talks to it through `submit`, `cancel`, `snapshot` and events.
+Requests and cancellations go into an inbox the loop drains before each step; events
+come back through each job's `JobHandle` and through listeners (called on the engine
+thread: a GUI turns them into queued signals). The cache is only touched by the loop
+thread, which publishes an `EngineSnapshot` after its steps, so a reader never waits
+for a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.cache.page_table import CacheSnapshot
+from engine.generator.generator import Generator, GeneratorSettings
+from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobResult, JobState
+from engine.generator.stops import StopReason
+from engine.model.loader import LoadedModel
+from engine.telemetry import CacheStats, Telemetry, cache_stats
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[JobEvent], None]
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as a snapshot shows it."""
+
+    job_id: int
+    tag: Any
+    state: str
+    prompt_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    skips: int
+    wait_reason: str
+    sequences: tuple[int, ...]  # page-table ids of its live sequences
+    pages: int  # distinct pages held
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine's memory looks like after a step; safe to keep and read anywhere."""
+
+    version: int  # generator steps so far; unchanged means nothing to redraw
+    time: float
+    cache: CacheSnapshot
+    stats: CacheStats
+    page_size: int
+    num_pages: int
+    page_tokens: list[list[int]]  # token ids each page holds (shared, never mutated)
+    eviction_next: list[int]  # unreferenced pages in the order they would be reused
+    jobs: list[JobInfo]  # active first, then pending in queue order
+    seq_jobs: dict[int, int]  # page-table id -> job id
+    job_tags: dict[int, Any]  # job id -> the caller's tag
+    cache_bytes: int
+    host_bytes: int
+
+
+class JobHandle:
+    """A submitted job as the caller sees it: its events, then its result."""
+
+    def __init__(self, job_id: int, engine: Engine):
+        self.job_id = job_id
+        self._engine = engine
+        self._events: queue.Queue[JobEvent] = queue.Queue()
+        self._done = threading.Event()
+        self.result: JobResult | None = None
+
+    def _deliver(self, event: JobEvent) -> None:
+        if event.eos:
+            self.result = event.result
+        self._events.put(event)
+        if event.eos:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def events(self, timeout: float | None = None) -> Iterator[JobEvent]:
+        """Events as they come, ending with the last one (eos=True)."""
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if event.eos:
+                return
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"job {self.job_id} still running after {timeout} s")
+        assert self.result is not None
+        return self.result
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.job_id)
+
+
+class Engine:
+    """Owns model, cache and generator; `start()` runs the loop thread (a context
+    manager does start and shutdown)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_settings: CacheSettings | None = None,
+        settings: GeneratorSettings | None = None,
+        telemetry_history: int = 600,
+        snapshot_interval: float = 0.05,
+    ):
+        self.loaded = loaded
+        self.cache = KVCache.for_model(loaded, cache_settings or CacheSettings())
+        self.telemetry = Telemetry(history=telemetry_history)
+        self.generator = Generator(loaded, self.cache, settings, self.telemetry)
+        self.snapshot_interval = snapshot_interval
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[JobRequest, list[int], frozenset[int], JobHandle]] = []
+        self._cancels: list[int] = []
+        self._handles: dict[int, JobHandle] = {}
+        self._listeners: list[Listener] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._snapshot: EngineSnapshot | None = None
+        self._snapshot_lock = threading.Lock()
+        self._last_publish = 0.0
+        self.loop_error: str = ""
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        cache_settings: CacheSettings | None = None,
+        settings: GeneratorSettings | None = None,
+        **load_options: Any,
+    ) -> Engine:
+        from engine.model.loader import load_model
+
+        return cls(load_model(path, **load_options), cache_settings, settings)
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._publish_snapshot()
+            self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel every job (their handles get their last event) and stop the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+            self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- any thread --------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called on the engine thread with every event of every job."""
+        with self._cv:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._cv:
+            self._listeners.remove(listener)
+
+    def submit(self, request: JobRequest) -> JobHandle:
+        """Queue a job. Bad requests raise ValueError here, in the caller's thread, with
+        a message that says what to change; nothing is queued then."""
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        prompt, stop_ids = self.generator.prepare(request)
+        with self._cv:
+            handle = JobHandle(self.generator.new_job_id(), self)
+            self._handles[handle.job_id] = handle
+            self._inbox.append((request, prompt, stop_ids, handle))
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, job_id: int) -> None:
+        with self._cv:
+            self._cancels.append(job_id)
+            self._cv.notify_all()
+
+    def generate(self, request: JobRequest, timeout: float | None = None) -> JobResult:
+        """Submit and wait (the loop must be running)."""
+        return self.submit(request).wait(timeout)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The latest published snapshot (never waits for a step)."""
+        with self._snapshot_lock:
+            if self._snapshot is None:
+                raise RuntimeError("the engine has not started")
+            return self._snapshot
+
+    # -- the loop thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        gen = self.generator
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancels or self._stopping or not gen.idle):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                stopping = self._stopping
+            events: list[JobEvent] = []
+            for request, prompt, stop_ids, handle in inbox:
+                job = Job(handle.job_id, request, prompt, stop_ids, time.monotonic())
+                gen.enqueue(job)
+            for job_id in cancels:
+                events.extend(gen.cancel(job_id))
+            if stopping:
+                for job in list(gen.active) + list(gen.pending):
+                    events.extend(gen.cancel(job.job_id))
+                self._dispatch(events)
+                self._publish_snapshot()
+                return
+            try:
+                events.extend(gen.iterate())
+            except Exception as exc:  # noqa: BLE001 - the thread must survive
+                self.loop_error = traceback.format_exc()
+                log.error("engine step failed:\n%s", self.loop_error)
+                events.extend(gen.fail_all(f"the engine failed: {exc}"))
+                self._recover()
+            self._dispatch(events)
+            now = time.monotonic()
+            if gen.idle or now - self._last_publish >= self.snapshot_interval:
+                self._publish_snapshot()
+
+    def _recover(self) -> None:
+        """After a failed step every job has ended; drop whatever they still hold."""
+        pages = self.cache.pages
+        for job_id in list(pages.allocations):
+            pages.release(job_id)
+
+    def _dispatch(self, events: list[JobEvent]) -> None:
+        if not events:
+            return
+        with self._cv:
+            listeners = list(self._listeners)
+        for event in events:
+            if event.kind in (EventKind.STARTED, EventKind.DONE):
+                self._log_job_event(event)
+            handle = self._handles.get(event.job_id)
+            if handle is not None:
+                handle._deliver(event)
+                if event.eos:
+                    del self._handles[event.job_id]
+            for listener in listeners:
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the engine
+                    log.exception("engine event listener failed")
+
+    def _log_job_event(self, event: JobEvent) -> None:
+        fields: dict[str, Any] = {"job": event.job_id, "tag": event.tag}
+        if event.result is not None:
+            r = event.result
+            fields.update(
+                eos_reason=r.eos_reason,
+                prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens,
+                new_tokens=r.new_tokens,
+                time_prefill=r.time_prefill,
+                time_generate=r.time_generate,
+            )
+        else:
+            fields["cached_tokens"] = event.prefill_done
+        self.telemetry.log(f"job_{event.kind}", **fields)
+
+    def _publish_snapshot(self) -> None:
+        gen = self.generator
+        pages = self.cache.pages
+        # The page table's events move to the telemetry log, where readers on other
+        # threads follow them by sequence number (`Telemetry.events(since)`).
+        while pages.events:
+            ev = pages.events.popleft()
+            self.telemetry.log(
+                f"page_{ev.kind}",
+                page=ev.page,
+                hash=ev.hash.hex() if ev.hash else None,
+                parent=ev.parent_hash.hex() if ev.parent_hash else None,
+                detail=ev.detail,
+            )
+        snap = pages.snapshot()
+        jobs = [_job_info(job, pages) for job in list(gen.active) + list(gen.pending)]
+        host = pages.host_tier
+        snapshot = EngineSnapshot(
+            version=gen.steps,
+            time=time.monotonic(),
+            cache=snap,
+            stats=cache_stats(snap, self.cache.page_size),
+            page_size=self.cache.page_size,
+            num_pages=self.cache.num_pages,
+            page_tokens=[rec.tokens for rec in pages.pages],
+            eviction_next=pages.next_victims(64),
+            jobs=jobs,
+            seq_jobs=dict(gen.seq_jobs),
+            job_tags={job.job_id: job.tag for job in list(gen.active) + list(gen.pending)},
+            cache_bytes=self.cache.nbytes(),
+            host_bytes=host.nbytes() if host is not None else 0,
+        )
+        with self._snapshot_lock:
+            self._snapshot = snapshot
+        self._last_publish = snapshot.time
+
+
+def _job_info(job: Job, pages) -> JobInfo:
+    live = [s for s in job.sequences if s.alloc is not None]
+    held = {p for s in live for p in s.alloc.block_table}
+    return JobInfo(
+        job_id=job.job_id,
+        tag=job.tag,
+        state=str(job.state),
+        prompt_tokens=len(job.prompt_ids),
+        new_tokens=sum(len(s.generated) for s in job.sequences),
+        cached_tokens=job.cached_tokens,
+        skips=job.skips,
+        wait_reason=job.wait_reason,
+        sequences=tuple(s.seq_id for s in live),
+        pages=len(held),
+    )
+
+
+__all__ = [
+    "Engine",
+    "EngineSnapshot",
+    "EventKind",
+    "JobHandle",
+    "JobInfo",
+    "JobState",
+    "StopReason",
+]

@@ -1,0 +1,197 @@
+"""A request's life in the generator (ENGINE_SPEC §7, §8).
+
+`JobRequest` is what a caller asks for; `Job` is the generator's record of it: its
+sequences on the cache, its place in the queues and its timings. A `Sequence` is one
+stream of tokens with its own pages: a job has one, or n for parallel sampling, or up
+to the beam width for beam search. What a job reports comes out as `JobEvent`s, and
+the last one carries the `JobResult`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from engine.cache.page_table import Allocation
+from engine.generator.sampler import SamplingSettings
+from engine.generator.stops import StopHandler
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One prompt to answer. Give `prompt` as token ids or `messages` as chat messages
+    (rendered with the model's chat template), not both."""
+
+    prompt: SequenceABC[int] | None = None
+    messages: SequenceABC[Mapping[str, str]] | None = None
+    sampling: SamplingSettings = SamplingSettings()
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: every EOS id the model declares
+    n: int = 1  # parallel samples of the same prompt
+    beam_width: int = 1  # > 1: beam search (greedy over summed log-probabilities)
+    length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
+    tag: Any = None  # the caller's label (a conversation id, say), echoed in snapshots
+
+    def validate(self) -> None:
+        """Raise ValueError naming what is wrong (shapes the model does not matter here)."""
+        if self.prompt is None and self.messages is None:
+            raise ValueError("a job needs a prompt (token ids) or chat messages")
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give either prompt token ids or chat messages, not both")
+        if self.prompt is not None and len(self.prompt) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("the conversation is empty: give at least one message")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        for name in ("n", "beam_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError("choose parallel sampling (n) or beam search (beam_width), not both")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
+        if isinstance(self.stop_strings, str):
+            raise ValueError("stop_strings must be a list of strings, not one string")
+        for stop in self.stop_strings:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop strings must be non-empty text, got {stop!r}")
+        self.sampling.validate()
+
+    @property
+    def width(self) -> int:
+        """Sequences the job runs at once (batch slots it takes)."""
+        return max(self.n, self.beam_width)
+
+
+class JobState(StrEnum):
+    PENDING = "pending"  # waiting for pages or a batch slot (or requeued)
+    PREFILL = "prefill"  # its prompt is being written into the cache
+    DECODE = "decode"  # generating
+    DONE = "done"
+
+
+class EventKind(StrEnum):
+    STARTED = "started"
+    PREFILL = "prefill"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+@dataclass
+class JobResult:
+    """What a finished job produced. Index i is sample i (parallel sampling) or the i-th
+    best beam (beam search)."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    eos_reasons: list[str] = field(default_factory=list)
+    beam_scores: list[float] = field(default_factory=list)
+    eos_reason: str = ""  # of sample 0 / the best beam; "cancelled" or "error" for the job
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the cache on admission
+    new_tokens: int = 0  # over every sample / kept beam
+    time_queued: float = 0.0
+    time_prefill: float = 0.0  # admission to the first sampled token
+    time_generate: float = 0.0  # first sampled token to the end
+    requeues: int = 0
+    peak_pages: int = 0  # distinct pages the job held at its largest
+
+    @property
+    def text(self) -> str:
+        return self.texts[0] if self.texts else ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["text"] = self.text
+        return out
+
+
+@dataclass
+class JobEvent:
+    """One thing a job reports. `index` names the sample (or 0)."""
+
+    job_id: int
+    kind: EventKind
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prefill_done: int = 0  # prompt tokens in the cache so far (cached ones included)
+    prefill_total: int = 0
+    finished: str = ""  # this sample's end reason, on its last streaming event
+    eos: bool = False  # the job's last event
+    eos_reason: str = ""
+    result: JobResult | None = None
+    tag: Any = None
+
+
+@dataclass
+class Sequence:
+    """One stream of tokens on the cache. `tokens` is prompt + generated; K/V of the
+    first `stored` are in the cache, and the next one to feed is `tokens[stored]`."""
+
+    seq_id: int  # the page table's job id for these pages
+    index: int  # sample index (parallel sampling) or beam slot
+    tokens: list[int]
+    generated: list[int] = field(default_factory=list)
+    stored: int = 0
+    alloc: Allocation | None = None
+    stops: StopHandler | None = None
+    rng: torch.Generator | None = None
+    score: float = 0.0  # beam search: sum of log-probabilities
+    finished: str = ""
+
+
+@dataclass
+class BeamHypothesis:
+    generated: list[int]
+    score: float  # normalized by length
+    reason: str
+
+
+@dataclass
+class Job:
+    job_id: int
+    request: JobRequest
+    prompt_ids: list[int]
+    stop_token_ids: frozenset[int]
+    submitted: float
+    state: JobState = JobState.PENDING
+    sequences: list[Sequence] = field(default_factory=list)
+    skips: int = 0
+    wait_reason: str = ""
+    started: float | None = None
+    first_token: float | None = None
+    cached_tokens: int = 0
+    prefill_start: int = 0  # tokens cached when this round's prefill began
+    requeues: int = 0
+    forked: bool = False  # parallel samples / beams created from the first logits
+    peak_pages: int = 0
+    hypotheses: list[BeamHypothesis] = field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        return self.request.width
+
+    @property
+    def beam(self) -> bool:
+        return self.request.beam_width > 1
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.finished]
+
+    @property
+    def tag(self) -> Any:
+        return self.request.tag

@@ -1,0 +1,181 @@
+"""Will a model fit? Folio's own arithmetic: weights + KV cache + a margin, against free memory.
+
+KV bytes per token are the page pool's own: an unquantized cache stores
+``layers * kv_heads * head_dim`` values for each of K and V at 4 (fp32) or 2 (fp16/bf16)
+bytes; a quantized K or V is priced by the engine's formats (``engine.cache.kv_cache.
+kv_formats``: groups of 32 values as ``b``-bit codes plus fp16 parameters per group, about
+``b/8 + 4/32`` bytes per value), so the estimate follows the engine when its formats change.
+The cache is allocated in whole pages, so the context is rounded up to the page size.
+
+This module imports torch only for a quantized cache or CUDA memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "CachePlan",
+    "Fit",
+    "FitEstimate",
+    "estimate_fit",
+    "free_memory",
+    "kv_bytes_per_token",
+]
+
+GROUP_SIZE = 32  # kernels/kvquant.py
+# Activations, the tokenizer, Python and torch themselves: a floor under every estimate.
+RUNTIME_OVERHEAD_BYTES = 300 * 1024**2
+# "Fits" leaves a fifth of the free memory to the rest of the system; between that and
+# all of it the model will load but the machine may swap or the GPU run out: "Tight".
+COMFORT_FRACTION = 0.8
+
+
+class Fit(StrEnum):
+    FITS = "Fits"
+    TIGHT = "Tight"
+    WONT_FIT = "Won't fit"
+    UNKNOWN = "Unknown"
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The KV cache the user has chosen: context length, page size, K and V bits."""
+
+    context_tokens: int = 4096
+    page_size: int = 16
+    k_bits: int | None = None  # 2..8 for a quantized K cache; None keeps it unquantized
+    v_bits: int | None = None
+    dense_bytes: int = 4  # bytes per value of an unquantized cache: 4 (fp32) or 2 (fp16/bf16)
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 1 or self.page_size < 1:
+            raise ValueError("context and page size must be positive")
+        for bits in (self.k_bits, self.v_bits):
+            if bits is not None and not 2 <= bits <= 8:
+                raise ValueError(f"KV cache bits must be 2..8, got {bits}")
+        if self.dense_bytes not in (2, 4):
+            raise ValueError("an unquantized KV cache stores 2 or 4 bytes per value")
+
+    @property
+    def cached_tokens(self) -> int:
+        """Token slots actually allocated: the context rounded up to whole pages."""
+        return math.ceil(self.context_tokens / self.page_size) * self.page_size
+
+
+def kv_bytes_per_token(
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    k_bits: int | None = None,
+    v_bits: int | None = None,
+    dense_bytes: int = 4,
+) -> int:
+    """Bytes one token takes in the KV cache, over all layers, K and V together."""
+    dense = kv_heads * head_dim * dense_bytes
+    k = v = dense
+    if k_bits is not None or v_bits is not None:
+        if head_dim % GROUP_SIZE:
+            raise ValueError(
+                f"a quantized KV cache needs head_dim to be a multiple of {GROUP_SIZE}, got {head_dim}"
+            )
+        from engine.cache.kv_cache import kv_formats
+
+        fmt_k, fmt_v = kv_formats(k_bits, v_bits)
+        if k_bits is not None:
+            k = fmt_k.bytes_per_token(kv_heads, head_dim)
+        if v_bits is not None:
+            v = fmt_v.bytes_per_token(kv_heads, head_dim)
+    return num_layers * (k + v)
+
+
+@dataclass(frozen=True)
+class FitEstimate:
+    label: Fit
+    device: str
+    weight_bytes: int
+    kv_bytes: int
+    need_bytes: int  # weights + KV + runtime overhead
+    free_bytes: int | None
+    note: str = ""  # why the estimate is rough or unknown, in plain words
+
+    @property
+    def text(self) -> str:
+        """One line for a table cell or tooltip."""
+        free = (
+            f"{self.free_bytes / 1e9:.1f} GB free"
+            if self.free_bytes is not None
+            else "free memory unknown"
+        )
+        line = f"{self.label.value}: needs about {self.need_bytes / 1e9:.2f} GB ({free} on {self.device})"
+        return f"{line}; {self.note}" if self.note else line
+
+
+def estimate_fit(
+    weight_bytes: int,
+    kv_per_token: int | None,
+    plan: CachePlan,
+    device: str = "cpu",
+    free_bytes: int | None = None,
+    note: str = "",
+) -> FitEstimate:
+    """Label a model Fits / Tight / Won't fit for ``plan`` on ``device``.
+
+    ``free_bytes`` defaults to :func:`free_memory` (available RAM, or free VRAM on CUDA).
+    Without ``kv_per_token`` (layer and head counts unknown) only the weights count and
+    the note says so.
+    """
+    if free_bytes is None:
+        free_bytes = free_memory(device)
+    kv = kv_per_token * plan.cached_tokens if kv_per_token is not None else 0
+    if kv_per_token is None:
+        note = "; ".join(
+            filter(None, (note, "KV cache not counted (layer and head counts unknown)"))
+        )
+    need = weight_bytes + kv + RUNTIME_OVERHEAD_BYTES
+    if free_bytes is None:
+        label = Fit.UNKNOWN
+    elif need <= COMFORT_FRACTION * free_bytes:
+        label = Fit.FITS
+    elif need <= free_bytes:
+        label = Fit.TIGHT
+    else:
+        label = Fit.WONT_FIT
+    return FitEstimate(label, device, weight_bytes, kv, need, free_bytes, note)
+
+
+def free_memory(device: str = "cpu") -> int | None:
+    """Bytes available for a model now: free VRAM on ``cuda[:n]``, available RAM otherwise."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+            return int(torch.cuda.mem_get_info(index)[0])
+        except (ImportError, RuntimeError, ValueError):
+            return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return _meminfo_available()
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,288 @@
+"""Sends, edits, regenerations and parallel samples become engine jobs here, and the
+jobs' events become saved messages.
+
+A `Generation` is one job seen from the chat side: the conversation it answers, the
+assistant message(s) it fills (one per sample), and the text streamed so far. Text
+is kept in memory and written to the store at most every `SAVE_INTERVAL_MS`, so a
+killed app loses under a second of a reply, and the UI thread does one small write
+per reply per half second, whatever the token rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
+
+from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
+from engine.generator.sampler import SamplingSettings
+from gui.bridge import EngineBridge
+from gui.store import Message, Store
+
+SAVE_INTERVAL_MS = 500
+
+DEFAULT_SAMPLING: dict[str, Any] = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 0,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 512,
+    "seed": None,
+}
+
+
+@dataclass
+class Generation:
+    job_id: int
+    conversation_id: int
+    message_ids: list[int]  # one assistant message per sample index
+    texts: list[str]
+    status: str = "queued"
+    dirty: set[int] = field(default_factory=set)  # sample indices not yet saved
+    changed: bool = True  # text or status changed since the view last looked
+
+
+def sampling_from(settings: dict[str, Any]) -> tuple[SamplingSettings, int]:
+    """Conversation sampling settings -> (SamplingSettings, max_new_tokens)."""
+    merged = {**DEFAULT_SAMPLING, **settings}
+    sampling = SamplingSettings(
+        temperature=float(merged["temperature"]),
+        top_p=float(merged["top_p"]),
+        top_k=int(merged["top_k"]),
+        repetition_penalty=float(merged["repetition_penalty"]),
+        seed=None if merged["seed"] in (None, "") else int(merged["seed"]),
+    )
+    return sampling, int(merged["max_new_tokens"])
+
+
+def figures_of(result: JobResult, index: int = 0) -> dict[str, Any]:
+    """Per-message figures from a job result (per sample for n > 1)."""
+    new = len(result.token_ids[index]) if index < len(result.token_ids) else result.new_tokens
+    prefilled = max(0, result.prompt_tokens - result.cached_tokens)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "new_tokens": new,
+        "time_prefill": result.time_prefill,
+        "time_generate": result.time_generate,
+        "prefill_tps": prefilled / result.time_prefill if result.time_prefill > 0 else 0.0,
+        # the first token is timed with the prefill, so decode speed counts the rest
+        "decode_tps": (new - 1) / result.time_generate if result.time_generate > 0 else 0.0,
+        "eos_reason": (
+            result.eos_reasons[index] if index < len(result.eos_reasons) else result.eos_reason
+        ),
+        "samples": len(result.texts),
+    }
+
+
+class ChatController(QObject):
+    """Owns the in-flight generations. Views read `live_text` / `status` and reload on
+    `conversation_changed`; they never call the engine."""
+
+    conversation_changed = Signal(int)  # messages added, finished or switched
+    conversations_listed = Signal()  # titles or order changed
+    generation_failed = Signal(int, str)  # (conversation id, message) for a status line
+
+    def __init__(self, store: Store, bridge: EngineBridge, parent: QObject | None = None):
+        super().__init__(parent)
+        self.store = store
+        self.bridge = bridge
+        self.generations: dict[int, Generation] = {}
+        self._by_message: dict[int, Generation] = {}
+        bridge.job_events.connect(self.on_job_events)
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_INTERVAL_MS)
+        self._save_timer.timeout.connect(self.save_partials)
+        self._save_timer.start()
+
+    # -- queries ----------------------------------------------------------------------
+
+    def live_text(self, message_id: int) -> str | None:
+        gen = self._by_message.get(message_id)
+        if gen is None:
+            return None
+        return gen.texts[gen.message_ids.index(message_id)]
+
+    def status(self, message_id: int) -> str:
+        gen = self._by_message.get(message_id)
+        return gen.status if gen is not None else ""
+
+    def is_generating(self, conversation_id: int) -> bool:
+        return any(g.conversation_id == conversation_id for g in self.generations.values())
+
+    def take_changed(self, conversation_id: int) -> list[int]:
+        """Message ids of this conversation whose text or status moved since last asked."""
+        out: list[int] = []
+        for gen in self.generations.values():
+            if gen.conversation_id == conversation_id and gen.changed:
+                gen.changed = False
+                out.extend(gen.message_ids)
+        return out
+
+    # -- actions ----------------------------------------------------------------------
+
+    def send(self, conversation_id: int, text: str, n: int = 1) -> int | None:
+        """Append a user message below the current leaf and answer it (n samples).
+        Returns the job id, or None when nothing was sent (empty text, an error
+        bubble instead)."""
+        text = text.strip()
+        if not text:
+            return None
+        conv = self.store.conversation(conversation_id)
+        user = self.store.add_message(conversation_id, conv.current_leaf, "user", text)
+        if conv.title in ("", "New chat"):
+            self.store.update_conversation(conversation_id, title=_title_from(text))
+            self.conversations_listed.emit()
+        return self._answer(conversation_id, user, n)
+
+    def edit(self, message_id: int, text: str) -> int | None:
+        """A new version of a user message (a sibling: the old branch stays), answered."""
+        text = text.strip()
+        old = self.store.message(message_id)
+        if not text or old.role != "user":
+            return None
+        user = self.store.add_message(old.conversation_id, old.parent_id, "user", text)
+        return self._answer(old.conversation_id, user, 1)
+
+    def regenerate(self, message_id: int) -> int | None:
+        """A new version of an assistant reply, answering the same transcript."""
+        old = self.store.message(message_id)
+        if old.role != "assistant" or old.parent_id is None:
+            return None
+        parent = self.store.message(old.parent_id)
+        return self._answer(old.conversation_id, parent, 1)
+
+    def switch_version(self, message_id: int) -> None:
+        msg = self.store.message(message_id)
+        self.store.update_conversation(
+            msg.conversation_id, current_leaf=self.store.deepest_leaf(message_id)
+        )
+        self.conversation_changed.emit(msg.conversation_id)
+
+    def stop(self, conversation_id: int) -> None:
+        for gen in list(self.generations.values()):
+            if gen.conversation_id == conversation_id:
+                self.bridge.cancel(gen.job_id)
+                gen.status = "stopping"
+                gen.changed = True
+
+    def stop_all(self) -> None:
+        for gen in list(self.generations.values()):
+            self.bridge.cancel(gen.job_id)
+
+    # -- jobs -------------------------------------------------------------------------
+
+    def request_for(self, conversation_id: int, leaf: Message, n: int) -> JobRequest:
+        conv = self.store.conversation(conversation_id)
+        messages: list[dict[str, str]] = []
+        if conv.system_prompt.strip():
+            messages.append({"role": "system", "content": conv.system_prompt})
+        path = self.store.transcript(conversation_id, leaf.id)
+        for i, m in enumerate(path):
+            answered_by_error = i + 1 < len(path) and bool(path[i + 1].error)
+            # A turn that ended in an error bubble (a prompt too long for the cache, say)
+            # stays on screen but is left out of the context, or it would fail again.
+            if m.role in ("user", "assistant") and not m.error and m.content:
+                if not answered_by_error:
+                    messages.append({"role": m.role, "content": m.content})
+        sampling, max_new = sampling_from(conv.sampling)
+        return JobRequest(
+            messages=messages,
+            sampling=sampling,
+            max_new_tokens=max_new,
+            n=n,
+            tag=conversation_id,
+        )
+
+    def _answer(self, conversation_id: int, parent: Message, n: int) -> int | None:
+        n = max(1, int(n))
+        replies = [
+            self.store.add_message(
+                conversation_id, parent.id, "assistant", "", complete=False, make_current=(i == 0)
+            )
+            for i in range(n)
+        ]
+        try:
+            request = self.request_for(conversation_id, parent, n)
+            handle = self.bridge.submit(request)
+        except (ValueError, RuntimeError) as exc:
+            # Bad input is shown in the chat as an error bubble, never raised.
+            message = str(exc) or type(exc).__name__
+            if "cache" in message and "pages" in message:
+                message += (
+                    ". Shorten the message, start a new chat, or give the KV cache a "
+                    "bigger budget in File > Engine settings."
+                )
+            for reply in replies:
+                self.store.update_message(reply.id, complete=True, error=message)
+            self.conversation_changed.emit(conversation_id)
+            self.generation_failed.emit(conversation_id, message)
+            return None
+        gen = Generation(
+            job_id=handle.job_id,
+            conversation_id=conversation_id,
+            message_ids=[m.id for m in replies],
+            texts=[""] * n,
+        )
+        self.generations[handle.job_id] = gen
+        for mid in gen.message_ids:
+            self._by_message[mid] = gen
+        self.conversation_changed.emit(conversation_id)
+        self.conversations_listed.emit()
+        return handle.job_id
+
+    @Slot(list)
+    def on_job_events(self, events: list[JobEvent]) -> None:
+        """A burst of engine events, on the UI thread: cheap bookkeeping only."""
+        finished: list[tuple[Generation, JobEvent]] = []
+        for event in events:
+            gen = self.generations.get(event.job_id)
+            if gen is None:
+                continue
+            if event.kind == EventKind.PREFILL and event.prefill_total:
+                gen.status = f"prefill {event.prefill_done}/{event.prefill_total}"
+            elif event.kind == EventKind.STARTED:
+                gen.status = "prefill"
+            elif event.kind == EventKind.STREAMING and event.text:
+                if 0 <= event.index < len(gen.texts):
+                    gen.texts[event.index] += event.text
+                    gen.dirty.add(event.index)
+                gen.status = "generating…"
+            gen.changed = True
+            if event.eos:
+                finished.append((gen, event))
+        for gen, event in finished:
+            self._finish(gen, event.result)
+
+    def _finish(self, gen: Generation, result: JobResult | None) -> None:
+        del self.generations[gen.job_id]
+        for mid in gen.message_ids:
+            self._by_message.pop(mid, None)
+        for i, mid in enumerate(gen.message_ids):
+            text = gen.texts[i]
+            error = ""
+            stats: dict[str, Any] = {}
+            if result is not None:
+                if i < len(result.texts) and result.texts[i]:
+                    text = result.texts[i]
+                stats = figures_of(result, i)
+                if result.eos_reason == "error":
+                    error = result.error or "the engine failed"
+            self.store.update_message(mid, content=text, complete=True, error=error, stats=stats)
+        self.conversation_changed.emit(gen.conversation_id)
+
+    @Slot()
+    def save_partials(self) -> None:
+        """Write streamed text that is not on disk yet (crash safety)."""
+        for gen in self.generations.values():
+            for index in sorted(gen.dirty):
+                self.store.update_message(
+                    gen.message_ids[index], content=gen.texts[index], complete=False
+                )
+            gen.dirty.clear()
+
+
+def _title_from(text: str, limit: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"

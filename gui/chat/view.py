@@ -1,0 +1,393 @@
+"""The chat in the middle of the window: settings of the conversation, its messages,
+and the input box.
+
+Streaming text is not pushed into widgets as it arrives: a 100 ms timer asks the
+controller which messages moved and re-renders only those, so the UI thread does a
+bounded amount of work per tick however many tokens came in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from gui.chat.bubble import MessageBubble, bubble_style
+from gui.chat.controller import DEFAULT_SAMPLING, ChatController
+from gui.palette import palette_for
+from gui.store import Store
+
+RENDER_INTERVAL_MS = 100  # streaming re-render throttle
+
+
+class ChatInput(QPlainTextEdit):
+    """Enter sends, Shift+Enter starts a new line."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt override
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
+            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
+        ):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class ConversationSettings(QFrame):
+    """System prompt and sampling settings of one conversation (collapsible)."""
+
+    changed = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.toggle = QToolButton()
+        self.toggle.setCheckable(True)
+        self.toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.toggle.setText("System prompt and sampling")
+        self.toggle.toggled.connect(self._set_open)
+        self.summary = QLabel()
+        self.summary.setObjectName("hint")
+        head = QHBoxLayout()
+        head.addWidget(self.toggle)
+        head.addWidget(self.summary, 1)
+        outer.addLayout(head)
+
+        self.panel = QWidget()
+        form = QFormLayout(self.panel)
+        form.setContentsMargins(8, 0, 8, 4)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("Instructions the model sees before the chat")
+        self.system_prompt.setMaximumHeight(70)
+        form.addRow("System prompt", self.system_prompt)
+        row = QHBoxLayout()
+        self.temperature = _spin(0.0, 2.0, 0.05, 2, "Temperature (0 = greedy)")
+        self.top_p = _spin(0.05, 1.0, 0.05, 2, "Top-p (1 = off)")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 1000)
+        self.top_k.setToolTip("Top-k (0 = off)")
+        self.repetition = _spin(1.0, 2.0, 0.05, 2, "Repetition penalty (1 = off)")
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 32768)
+        self.max_tokens.setToolTip("Longest reply, in tokens")
+        self.seed = QLineEdit()
+        self.seed.setPlaceholderText("random")
+        self.seed.setFixedWidth(80)
+        for label, widget in (
+            ("temp", self.temperature),
+            ("top-p", self.top_p),
+            ("top-k", self.top_k),
+            ("rep.", self.repetition),
+            ("max tokens", self.max_tokens),
+            ("seed", self.seed),
+        ):
+            row.addWidget(QLabel(label))
+            row.addWidget(widget)
+        row.addStretch(1)
+        form.addRow("Sampling", row)
+        outer.addWidget(self.panel)
+        self.panel.setVisible(False)
+        for spin in (self.temperature, self.top_p, self.repetition):
+            spin.valueChanged.connect(self._emit)
+        self.top_k.valueChanged.connect(self._emit)
+        self.max_tokens.valueChanged.connect(self._emit)
+        self.seed.textChanged.connect(self._emit)
+        self.system_prompt.textChanged.connect(self._emit)
+        self._loading = False
+
+    def _set_open(self, open_: bool) -> None:
+        self.panel.setVisible(open_)
+        self.toggle.setArrowType(Qt.ArrowType.DownArrow if open_ else Qt.ArrowType.RightArrow)
+
+    def _emit(self) -> None:
+        self._update_summary()
+        if not self._loading:
+            self.changed.emit()
+
+    def load(self, system_prompt: str, sampling: dict[str, Any]) -> None:
+        self._loading = True
+        try:
+            merged = {**DEFAULT_SAMPLING, **sampling}
+            self.system_prompt.setPlainText(system_prompt)
+            self.temperature.setValue(float(merged["temperature"]))
+            self.top_p.setValue(float(merged["top_p"]))
+            self.top_k.setValue(int(merged["top_k"]))
+            self.repetition.setValue(float(merged["repetition_penalty"]))
+            self.max_tokens.setValue(int(merged["max_new_tokens"]))
+            self.seed.setText("" if merged["seed"] is None else str(merged["seed"]))
+        finally:
+            self._loading = False
+        self._update_summary()
+
+    def values(self) -> tuple[str, dict[str, Any]]:
+        seed = self.seed.text().strip()
+        return self.system_prompt.toPlainText(), {
+            "temperature": self.temperature.value(),
+            "top_p": self.top_p.value(),
+            "top_k": self.top_k.value(),
+            "repetition_penalty": self.repetition.value(),
+            "max_new_tokens": self.max_tokens.value(),
+            "seed": int(seed) if seed.lstrip("-").isdigit() else None,
+        }
+
+    def _update_summary(self) -> None:
+        prompt = " ".join(self.system_prompt.toPlainText().split())
+        prompt = (prompt[:60] + "…") if len(prompt) > 60 else prompt
+        self.summary.setText(
+            f"{prompt or 'no system prompt'} · temp {self.temperature.value():g}"
+            f" · max {self.max_tokens.value()} tokens"
+        )
+
+
+def _spin(lo: float, hi: float, step: float, decimals: int, tip: str) -> QDoubleSpinBox:
+    spin = QDoubleSpinBox()
+    spin.setRange(lo, hi)
+    spin.setSingleStep(step)
+    spin.setDecimals(decimals)
+    spin.setToolTip(tip)
+    return spin
+
+
+class ChatView(QWidget):
+    """One conversation at a time; `show_conversation(id)` switches."""
+
+    def __init__(self, store: Store, controller: ChatController, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.store = store
+        self.controller = controller
+        self.conversation_id: int | None = None
+        self.bubbles: dict[int, MessageBubble] = {}
+        self._pinned_dark: bool | None = None
+        self.set_dark(None)
+        if QGuiApplication.instance() is not None:
+            QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_os_scheme)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        self.title = QLabel()
+        font = self.title.font()
+        font.setPointSizeF(font.pointSizeF() * 1.2)
+        font.setBold(True)
+        self.title.setFont(font)
+        layout.addWidget(self.title)
+        self.settings = ConversationSettings()
+        layout.addWidget(self.settings)
+
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.messages_widget = QWidget()
+        self.messages_widget.setObjectName("messages")
+        self.messages_layout = QVBoxLayout(self.messages_widget)
+        self.messages_layout.setContentsMargins(4, 4, 4, 4)
+        self.messages_layout.setSpacing(8)
+        self.messages_layout.addStretch(1)
+        self.scroll.setWidget(self.messages_widget)
+        layout.addWidget(self.scroll, 1)
+        self.empty_hint = QLabel("Type a message below. Enter sends, Shift+Enter adds a line.")
+        self.empty_hint.setObjectName("hint")
+        self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.messages_layout.insertWidget(0, self.empty_hint)
+
+        self.input = ChatInput()
+        self.input.setPlaceholderText("Message (Enter sends, Shift+Enter new line, Esc stops)")
+        self.input.setMaximumHeight(72)
+        self.send_button = QPushButton("Send")
+        self.send_button.setDefault(True)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop generating (Esc)")
+        self.sample_n = QSpinBox()
+        self.sample_n.setRange(2, 16)
+        self.sample_n.setValue(3)
+        self.sample_n.setToolTip("How many answers to sample in parallel")
+        self.sample_button = QPushButton("Sample ×n")
+        self.sample_button.setToolTip(
+            "Answer this message n times in parallel; the answers share the prompt's pages"
+        )
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        sample_row = QHBoxLayout()
+        sample_row.addWidget(self.sample_button)
+        sample_row.addWidget(self.sample_n)
+        buttons.addLayout(sample_row)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.input, 1)
+        bottom.addLayout(buttons)
+        layout.addLayout(bottom)
+
+        self.input.submitted.connect(lambda: self.send())
+        self.send_button.clicked.connect(lambda: self.send())
+        self.stop_button.clicked.connect(self.stop)
+        self.sample_button.clicked.connect(lambda: self.send(n=self.sample_n.value()))
+        controller.conversation_changed.connect(self._on_conversation_changed)
+
+        self._save_settings_timer = QTimer(self)
+        self._save_settings_timer.setSingleShot(True)
+        self._save_settings_timer.setInterval(400)
+        self._save_settings_timer.timeout.connect(self.save_settings)
+        self.settings.changed.connect(self._save_settings_timer.start)
+        self._render_timer = QTimer(self)
+        self._render_timer.setInterval(RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(self.render_streaming)
+        self._render_timer.start()
+        self.setEnabled(False)
+
+    # -- theme ------------------------------------------------------------------------
+
+    def set_dark(self, dark: bool | None) -> None:
+        """Pin the dark (True) or light (False) bubbles; None follows the OS, like the
+        memory views."""
+        self._pinned_dark = dark
+        self.dark = palette_for(dark).dark
+        self.setStyleSheet(bubble_style(palette_for(dark)))
+
+    def _on_os_scheme(self, *_: Any) -> None:
+        if self._pinned_dark is None:
+            self.set_dark(None)
+
+    # -- conversation -----------------------------------------------------------------
+
+    def show_conversation(self, conversation_id: int | None) -> None:
+        if self._save_settings_timer.isActive():
+            self._save_settings_timer.stop()
+            self.save_settings()
+        self.conversation_id = conversation_id
+        self.setEnabled(conversation_id is not None)
+        if conversation_id is None:
+            self.title.setText("")
+            self._clear()
+            return
+        conv = self.store.conversation(conversation_id)
+        self.settings.load(conv.system_prompt, conv.sampling)
+        self.reload()
+
+    def save_settings(self) -> None:
+        if self.conversation_id is None:
+            return
+        system_prompt, sampling = self.settings.values()
+        self.store.update_conversation(
+            self.conversation_id, system_prompt=system_prompt, sampling=sampling
+        )
+
+    def _clear(self) -> None:
+        # Hidden and out of the layout now; deleted when control returns to the loop.
+        for bubble in self.bubbles.values():
+            self.messages_layout.removeWidget(bubble)
+            bubble.hide()
+            bubble.deleteLater()
+        self.bubbles = {}
+
+    def reload(self) -> None:
+        """Rebuild the bubbles from the store (structure changed: new message, new
+        version, a reply finished)."""
+        if self.conversation_id is None:
+            return
+        cid = self.conversation_id
+        self.title.setText(self.store.conversation(cid).title)
+        at_bottom = self._at_bottom()
+        self._clear()
+        path = self.store.transcript(cid)
+        self.empty_hint.setVisible(not path)
+        for msg in path:
+            versions = [m.id for m in self.store.siblings(msg)]
+            bubble = MessageBubble(msg.id, msg.role, versions)
+            bubble.edit_submitted.connect(self._edit)
+            bubble.regenerate_requested.connect(self._regenerate)
+            bubble.version_requested.connect(self.controller.switch_version)
+            live = self.controller.live_text(msg.id)
+            if msg.error:
+                bubble.set_error(msg.error)
+            else:
+                bubble.set_text(live if live is not None else msg.content)
+            bubble.set_figures(msg.stats)
+            if live is not None:
+                bubble.set_status(self.controller.status(msg.id))
+            elif not msg.complete:
+                bubble.set_status("interrupted")
+            self.messages_layout.insertWidget(self.messages_layout.count() - 1, bubble)
+            self.bubbles[msg.id] = bubble
+        self._update_buttons()
+        if at_bottom or self.controller.is_generating(cid):
+            QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _on_conversation_changed(self, conversation_id: int) -> None:
+        if conversation_id == self.conversation_id:
+            self.reload()
+
+    # -- streaming --------------------------------------------------------------------
+
+    def render_streaming(self) -> None:
+        if self.conversation_id is None:
+            return
+        changed = self.controller.take_changed(self.conversation_id)
+        if not changed:
+            return
+        at_bottom = self._at_bottom()
+        for mid in changed:
+            bubble = self.bubbles.get(mid)
+            live = self.controller.live_text(mid)
+            if bubble is None or live is None:
+                continue
+            bubble.set_text(live)
+            bubble.set_status(self.controller.status(mid))
+        self._update_buttons()
+        if at_bottom:
+            QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _at_bottom(self) -> bool:
+        bar = self.scroll.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 40
+
+    def _scroll_to_bottom(self) -> None:
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _update_buttons(self) -> None:
+        busy = self.conversation_id is not None and self.controller.is_generating(
+            self.conversation_id
+        )
+        self.stop_button.setEnabled(busy)
+
+    # -- actions ----------------------------------------------------------------------
+
+    def send(self, n: int = 1) -> int | None:
+        if self.conversation_id is None:
+            return None
+        text = self.input.toPlainText()
+        if not text.strip():
+            return None
+        if self._save_settings_timer.isActive():
+            self._save_settings_timer.stop()
+            self.save_settings()
+        self.input.clear()
+        return self.controller.send(self.conversation_id, text, n=n)
+
+    def stop(self) -> None:
+        if self.conversation_id is not None:
+            self.controller.stop(self.conversation_id)
+
+    def _edit(self, message_id: int, text: str) -> None:
+        self.controller.edit(message_id, text)
+
+    def _regenerate(self, message_id: int) -> None:
+        self.controller.regenerate(message_id)

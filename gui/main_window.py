@@ -1,0 +1,570 @@
+"""The main window: conversations on the left, the chat in the middle, the engine's
+memory in a dock on the right, the engine's figures in the status bar."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QByteArray, QSettings, Qt
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMenu,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QSizePolicy,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.engine import EngineSnapshot
+from gui.bridge import EngineBridge, ModelInfo
+from gui.chat.controller import ChatController
+from gui.chat.view import ChatView
+from gui.settings_dialog import EngineSettings, SettingsDialog
+from gui.store import Store
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 0.5  # the status bar's figures need not move at 10 Hz
+
+
+def make_memory_panel() -> QWidget:
+    """The memory views (page map, prefix tree, graphs) or, while they are not there
+    yet, a placeholder: the one line to change when they land."""
+    try:
+        from gui.views.memory_panel import MemoryPanel
+    except ImportError:
+        placeholder = QLabel("Memory views are not available in this build.")
+        placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        placeholder.setMinimumWidth(320)
+        return placeholder
+    return MemoryPanel()
+
+
+def tune_garbage_collector() -> None:
+    """Keep the cyclic garbage collector from pausing the UI.
+
+    A full collection stops every thread holding the GIL; with a model, numpy and
+    pyqtgraph loaded it took 60-150 ms on the 2-core dev machine and ran every second
+    or so while four chats generated. What is alive once a model is loaded lives as
+    long as the app, so it is frozen out of the collector's reach, and collections
+    run after many more allocations (most garbage here is freed by reference counts
+    anyway; the collector only finds cycles).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+class ConversationList(QWidget):
+    """Search box, 'New chat' and the list; rename and delete from the context menu."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 0, 6)
+        head = QHBoxLayout()
+        title = QLabel("Chats")
+        font = title.font()
+        font.setBold(True)
+        title.setFont(font)
+        head.addWidget(title)
+        head.addStretch(1)
+        self.new_button = QPushButton("+ New")
+        self.new_button.setToolTip("New chat (Ctrl+N)")
+        head.addWidget(self.new_button)
+        layout.addLayout(head)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats")
+        self.search.setClearButtonEnabled(True)
+        layout.addWidget(self.search)
+        self.list = QListWidget()
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        layout.addWidget(self.list, 1)
+
+
+class MainWindow(QMainWindow):
+    def __init__(
+        self,
+        store: Store,
+        settings: QSettings,
+        bridge: EngineBridge | None = None,
+    ):
+        super().__init__()
+        self.setWindowTitle("Folio")
+        self.store = store
+        self.settings = settings
+        self.bridge = bridge or EngineBridge(self)
+        self.controller = ChatController(store, self.bridge, self)
+        self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
+        self.error_dialog: QMessageBox | None = None
+        self.model_info: ModelInfo | None = None
+        self._last_status = 0.0
+        self._closing = False
+        self._chat_names: dict[int, str] = {}
+
+        self.chats = ConversationList()
+        self.chat_view = ChatView(store, self.controller)
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(self.chats)
+        self.splitter.addWidget(self.chat_view)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([230, 700])
+        self.setCentralWidget(self.splitter)
+
+        self.memory_panel = make_memory_panel()
+        self.memory_dock = QDockWidget("Memory", self)
+        self.memory_dock.setObjectName("memory_dock")
+        # A fixed minimum and an ignored size hint: the views' labels change as chats
+        # come and go, and a hint that moves re-lays out the whole window each time.
+        self.memory_panel.setMinimumSize(380, 300)
+        self.memory_panel.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
+        self.memory_dock.setWidget(self.memory_panel)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.memory_dock)
+        self._connect_memory_panel()
+
+        self._build_status_bar()
+        self._build_actions()
+
+        self.chats.new_button.clicked.connect(lambda: self.new_conversation())
+        self.chats.search.textChanged.connect(lambda _: self.refresh_conversations())
+        self.chats.list.currentItemChanged.connect(self._on_current_item)
+        self.chats.list.customContextMenuRequested.connect(self._conversation_menu)
+        self.controller.conversations_listed.connect(self.refresh_conversations)
+        self.controller.conversation_changed.connect(lambda _: self._mark_generating())
+        self.bridge.snapshot_ready.connect(self.on_snapshot)
+        self.bridge.engine_ready.connect(self.on_engine_ready)
+        self.bridge.engine_failed.connect(self.on_engine_failed)
+        self.bridge.load_progress.connect(self.on_load_progress)
+        self.resize(1400, 860)
+        self.resizeDocks([self.memory_dock], [480], Qt.Orientation.Horizontal)
+        self._restore_layout()
+        self._apply_threads()
+        self.refresh_conversations()
+        last = self.settings.value("chats/current")
+        if last is not None and self._find_item(int(last)) is not None:
+            self.select_conversation(int(last))
+        elif self.chats.list.count():
+            self.chats.list.setCurrentRow(0)
+        else:
+            self.new_conversation()
+
+    # -- construction -----------------------------------------------------------------
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.model_label = QLabel("no model")
+        self.device_label = QLabel()
+        self.cache_label = QLabel()
+        self.memory_label = QLabel()
+        self.jobs_label = QLabel()
+        self.load_bar = QProgressBar()
+        self.load_bar.setMaximumWidth(180)
+        self.load_bar.setRange(0, 100)
+        self.load_bar.setVisible(False)
+        for w in (self.model_label, self.device_label, self.cache_label, self.memory_label):
+            w.setStyleSheet("padding: 0 6px; border-right: 1px solid #c8c8c8;")
+            bar.addWidget(w)
+        self.jobs_label.setStyleSheet("padding: 0 6px;")
+        bar.addWidget(self.jobs_label, 1)
+        bar.addPermanentWidget(self.load_bar)
+
+    def _build_actions(self) -> None:
+        menu = self.menuBar()
+        file_menu = menu.addMenu("&File")
+        self.new_action = QAction("&New chat", self)
+        self.new_action.setShortcut(QKeySequence.StandardKey.New)
+        self.new_action.triggered.connect(lambda: self.new_conversation())
+        open_model = QAction("&Open model…", self)
+        open_model.triggered.connect(self.choose_model)
+        settings_action = QAction("Engine &settings…", self)
+        settings_action.triggered.connect(self.open_settings)
+        quit_action = QAction("&Quit", self)
+        quit_action.setShortcut(QKeySequence.StandardKey.Quit)
+        quit_action.triggered.connect(self.close)
+        for action in (self.new_action, open_model, settings_action):
+            file_menu.addAction(action)
+        file_menu.addSeparator()
+        file_menu.addAction(quit_action)
+        chat_menu = menu.addMenu("&Chat")
+        self.stop_action = QAction("&Stop generating", self)
+        self.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
+        self.stop_action.triggered.connect(self.chat_view.stop)
+        rename = QAction("&Rename…", self)
+        rename.setShortcut(QKeySequence(Qt.Key.Key_F2))
+        rename.triggered.connect(lambda: self.rename_conversation())
+        delete = QAction("&Delete", self)
+        delete.triggered.connect(lambda: self.delete_conversation())
+        for action in (self.stop_action, rename, delete):
+            chat_menu.addAction(action)
+        view_menu = menu.addMenu("&View")
+        view_menu.addAction(self.memory_dock.toggleViewAction())
+        # Esc must reach the window from the input box too; a window-wide shortcut does.
+        self.addAction(self.stop_action)
+        self._delete_shortcut = QShortcut(QKeySequence.StandardKey.Delete, self.chats.list)
+        self._delete_shortcut.activated.connect(lambda: self.delete_conversation())
+
+    def _connect_memory_panel(self) -> None:
+        panel = self.memory_panel
+        if hasattr(panel, "chat_selected"):
+            panel.chat_selected.connect(self._on_memory_chat_selected)
+        if hasattr(panel, "page_clicked"):
+            panel.page_clicked.connect(self._on_page_clicked)
+
+    # -- settings (QSettings) ---------------------------------------------------------
+
+    def _settings_json(self, key: str) -> Any:
+        raw = self.settings.value(key)
+        if not raw:
+            return None
+        try:
+            return json.loads(str(raw))
+        except ValueError:
+            return None
+
+    def _restore_layout(self) -> None:
+        geometry = self.settings.value("window/geometry")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        state = self.settings.value("window/state")
+        if isinstance(state, QByteArray):
+            self.restoreState(state)
+        splitter = self.settings.value("window/splitter")
+        if isinstance(splitter, QByteArray):
+            self.splitter.restoreState(splitter)
+
+    def save_layout(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/state", self.saveState())
+        self.settings.setValue("window/splitter", self.splitter.saveState())
+        if self.chat_view.conversation_id is not None:
+            self.settings.setValue("chats/current", self.chat_view.conversation_id)
+        self.settings.sync()
+
+    # -- the engine -------------------------------------------------------------------
+
+    def start_engine(self, model_path: str | Path | None = None) -> None:
+        """Load `model_path`, else the last model, else the default model (fetched with
+        a progress dialog on first run). Everything slow runs off the UI thread."""
+        path = model_path or self.settings.value("model/last_path")
+        if path and Path(str(path)).exists():
+            self.load_model(Path(str(path)))
+            return
+        from engine.model.fetch import ensure_default_model, is_fetched
+
+        if is_fetched():
+            self.load_model(ensure_default_model())
+            return
+        from gui.model_dialog import FetchDialog
+
+        self.fetch_dialog = FetchDialog(ensure_default_model, self)
+        self.fetch_dialog.worker.succeeded.connect(self.load_model)
+        self.fetch_dialog.worker.failed.connect(
+            lambda msg: self.show_error("Could not get the default model", msg)
+        )
+        self.fetch_dialog.start()
+
+    def load_model(self, path: str | Path) -> None:
+        self.model_label.setText(f"loading {Path(path).name}…")
+        self.load_bar.setValue(0)
+        self.load_bar.setVisible(True)
+        self.bridge.load(
+            path,
+            self.engine_settings.cache_settings(),
+            self.engine_settings.generator_settings(),
+        )
+
+    def use_loaded(self, loaded: Any) -> None:
+        """Start the engine on a model already loaded (tests, embedding)."""
+        self.load_bar.setVisible(True)
+        self.bridge.use_loaded(
+            loaded,
+            self.engine_settings.cache_settings(),
+            self.engine_settings.generator_settings(),
+        )
+
+    def choose_model(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Open a model", "", "GGUF models (*.gguf);;All files (*)"
+        )
+        if path:
+            self.controller.stop_all()
+            self.load_model(path)
+
+    def on_load_progress(self, fraction: float, what: str) -> None:
+        self.load_bar.setVisible(True)
+        self.load_bar.setValue(int(fraction * 100))
+        self.load_bar.setFormat(f"{what} %p%")
+
+    def on_engine_ready(self, info: ModelInfo) -> None:
+        self.model_info = info
+        tune_garbage_collector()
+        self.load_bar.setVisible(False)
+        self.settings.setValue("model/last_path", str(info.path))
+        self.model_label.setText(f"{info.name} · {info.format}")
+        self.model_label.setToolTip(
+            f"{info.path}\n{info.architecture} · {human_bytes(info.weight_bytes)} of weights"
+            f" · loaded in {info.load_seconds:.1f} s"
+        )
+        self.device_label.setText(info.device)
+        self._last_status = 0.0
+
+    def on_engine_failed(self, message: str) -> None:
+        self.load_bar.setVisible(False)
+        if self.model_info is None:
+            self.model_label.setText("no model")
+        self.show_error("The model could not be loaded", message)
+
+    def on_snapshot(self, snapshot: EngineSnapshot) -> None:
+        # The panel only stores the snapshot here and brings its views up to date one
+        # per tick of its own timer (see MemoryPanel); nothing at all while the dock is
+        # hidden, so a closed dock costs no UI time.
+        feed = getattr(self.memory_panel, "feed", None)
+        if feed is not None and self.memory_dock.isVisible():
+            feed(snapshot, self.bridge.telemetry, self.bridge.tokenizer)
+        if snapshot.time - self._last_status >= STATUS_INTERVAL_S or not snapshot.jobs:
+            self._last_status = snapshot.time
+            self.update_status(snapshot)
+
+    def update_status(self, snapshot: EngineSnapshot) -> None:
+        stats = snapshot.stats
+        page_bytes = snapshot.cache_bytes / max(1, snapshot.num_pages)
+        tokens = snapshot.num_pages * snapshot.page_size
+        self.cache_label.setText(
+            f"{snapshot.num_pages} pages × {snapshot.page_size} = {tokens:,} tokens"
+            f" · {human_bytes(snapshot.cache_bytes)} KV"
+        )
+        used = (stats.pages_referenced + stats.pages_cached) * page_bytes
+        text = f"{human_bytes(used)} KV in use"
+        if snapshot.host_bytes:
+            text += f" · host tier {human_bytes(snapshot.host_bytes)}"
+        rss = _process_rss()
+        if rss:
+            text += f" · process {human_bytes(rss)}"
+        self.memory_label.setText(text)
+        running = sum(1 for j in snapshot.jobs if j.state != "pending")
+        queued = len(snapshot.jobs) - running
+        jobs = f"{running} job{'s' if running != 1 else ''} · {queued} queued"
+        self.jobs_label.setText(jobs if snapshot.jobs else "idle")
+
+    # -- settings dialog --------------------------------------------------------------
+
+    def open_settings(self) -> None:
+        dialog = SettingsDialog(self.engine_settings, self)
+        if dialog.exec():
+            self.apply_settings(dialog.values(), confirm=True)
+
+    def apply_settings(self, new: EngineSettings, confirm: bool = True) -> bool:
+        """Save `new`; rebuild the engine when the cache or batching changed (after
+        asking, when `confirm`). Returns whether the settings were applied."""
+        rebuild = new.needs_rebuild(self.engine_settings)
+        if rebuild and confirm and self.bridge.ready:
+            answer = QMessageBox.question(
+                self,
+                "Rebuild the KV cache?",
+                "The new settings need a new KV cache: replies in progress stop and cached "
+                "prefixes are dropped. Apply now?",
+            )
+            if answer != QMessageBox.StandardButton.Yes:
+                return False
+        self.engine_settings = new
+        self.settings.setValue("engine/settings", json.dumps(new.as_dict()))
+        self._apply_threads()
+        if rebuild and self.bridge.loaded is not None:
+            self.bridge.rebuild(new.cache_settings(), new.generator_settings())
+        return True
+
+    def _apply_threads(self) -> None:
+        if self.engine_settings.cpu_threads > 0:
+            import torch
+
+            torch.set_num_threads(self.engine_settings.cpu_threads)
+
+    # -- conversations ----------------------------------------------------------------
+
+    def refresh_conversations(self) -> None:
+        current = self.chat_view.conversation_id
+        lst = self.chats.list
+        lst.blockSignals(True)
+        lst.clear()
+        for conv in self.store.conversations(self.chats.search.text().strip()):
+            item = QListWidgetItem(conv.title)
+            item.setData(Qt.ItemDataRole.UserRole, conv.id)
+            item.setToolTip(conv.title)
+            lst.addItem(item)
+            self._name_chat_in_views(conv.id, conv.title)
+            if conv.id == current:
+                lst.setCurrentItem(item)
+        lst.blockSignals(False)
+        self._mark_generating()
+
+    def _name_chat_in_views(self, conversation_id: int, title: str) -> None:
+        # Only on a change: each call re-styles the views' legend, which costs
+        # tens of milliseconds of UI time.
+        if self._chat_names.get(conversation_id) == title:
+            return
+        self._chat_names[conversation_id] = title
+        set_name = getattr(self.memory_panel, "set_chat_name", None)
+        if set_name is not None:
+            set_name(conversation_id, title)
+
+    def _mark_generating(self) -> None:
+        """A dot before chats whose reply is streaming (even when not shown)."""
+        for i in range(self.chats.list.count()):
+            item = self.chats.list.item(i)
+            cid = item.data(Qt.ItemDataRole.UserRole)
+            title = self.store.conversation(cid).title
+            busy = self.controller.is_generating(cid)
+            item.setText(f"● {title}" if busy else title)
+
+    def _find_item(self, conversation_id: int) -> QListWidgetItem | None:
+        for i in range(self.chats.list.count()):
+            item = self.chats.list.item(i)
+            if item.data(Qt.ItemDataRole.UserRole) == conversation_id:
+                return item
+        return None
+
+    def select_conversation(self, conversation_id: int) -> None:
+        item = self._find_item(conversation_id)
+        if item is None:  # filtered out by the search: clear the search
+            self.chats.search.clear()
+            item = self._find_item(conversation_id)
+        if item is not None:
+            self.chats.list.setCurrentItem(item)
+        self.chat_view.show_conversation(conversation_id)
+        select = getattr(self.memory_panel, "select_chat", None)
+        if select is not None:
+            select(conversation_id)
+
+    def _on_current_item(self, item: QListWidgetItem | None, _previous: Any = None) -> None:
+        if item is not None:
+            cid = item.data(Qt.ItemDataRole.UserRole)
+            if cid != self.chat_view.conversation_id:
+                self.chat_view.show_conversation(cid)
+                select = getattr(self.memory_panel, "select_chat", None)
+                if select is not None:
+                    select(cid)
+
+    def new_conversation(self, title: str = "New chat") -> int:
+        """A new chat that inherits the current chat's system prompt and sampling, so
+        chats started in a row share their prompt prefix in the cache."""
+        system_prompt, sampling = "", {}
+        if self.chat_view.conversation_id is not None:
+            system_prompt, sampling = self.chat_view.settings.values()
+        conv = self.store.create_conversation(title, system_prompt, sampling)
+        self.chats.search.clear()
+        self.refresh_conversations()
+        self.select_conversation(conv.id)
+        self.chat_view.input.setFocus()
+        return conv.id
+
+    def rename_conversation(self, conversation_id: int | None = None, title: str | None = None):
+        cid = conversation_id if conversation_id is not None else self.chat_view.conversation_id
+        if cid is None:
+            return
+        if title is None:
+            old = self.store.conversation(cid).title
+            title, ok = QInputDialog.getText(self, "Rename chat", "Title", text=old)
+            if not ok:
+                return
+        title = title.strip()
+        if title:
+            self.store.update_conversation(cid, title=title)
+            self.refresh_conversations()
+            if cid == self.chat_view.conversation_id:
+                self.chat_view.title.setText(title)
+
+    def delete_conversation(self, conversation_id: int | None = None, confirm: bool = True):
+        cid = conversation_id if conversation_id is not None else self.chat_view.conversation_id
+        if cid is None:
+            return
+        if confirm:
+            title = self.store.conversation(cid).title
+            answer = QMessageBox.question(self, "Delete chat", f"Delete “{title}” for good?")
+            if answer != QMessageBox.StandardButton.Yes:
+                return
+        self.controller.stop(cid)
+        self.store.delete_conversation(cid)
+        if cid == self.chat_view.conversation_id:
+            self.chat_view.show_conversation(None)
+        self.refresh_conversations()
+        if self.chats.list.count():
+            self.chats.list.setCurrentRow(0)
+
+    def _conversation_menu(self, pos: Any) -> None:
+        item = self.chats.list.itemAt(pos)
+        if item is None:
+            return
+        cid = item.data(Qt.ItemDataRole.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self.rename_conversation(cid))
+        menu.addAction("Delete", lambda: self.delete_conversation(cid))
+        menu.exec(self.chats.list.mapToGlobal(pos))
+
+    def _on_memory_chat_selected(self, tag: Any) -> None:
+        if isinstance(tag, int) and self._find_item(tag) is not None:
+            self.select_conversation(tag)
+
+    def _on_page_clicked(self, page: int) -> None:
+        self.statusBar().showMessage(f"page {page}", 3000)
+
+    # -- errors -----------------------------------------------------------------------
+
+    def show_error(self, title: str, message: str) -> QMessageBox:
+        """A non-blocking dialog (`open`, not `exec`): the engine keeps streaming."""
+        box = QMessageBox(QMessageBox.Icon.Warning, title, message, parent=self)
+        box.setStandardButtons(QMessageBox.StandardButton.Ok)
+        box.open()
+        self.error_dialog = box
+        return box
+
+    # -- closing ----------------------------------------------------------------------
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
+        if not self._closing:
+            self._closing = True
+            self.chat_view.save_settings()
+            self.save_layout()
+            self.controller.save_partials()
+            # Shutting down cancels every job; their last events are drained into the
+            # controller here, so stopped replies are saved as complete.
+            try:
+                self.bridge.shutdown(10.0)
+            except RuntimeError:
+                log.exception("engine shutdown")
+        super().closeEvent(event)
+
+
+def _process_rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - a figure for display only
+        return 0

@@ -1,0 +1,207 @@
+"""The Engine facade: a background loop thread, thread-safe submit / cancel / snapshot,
+events to handles and listeners, clean shutdown, errors that end jobs and not the thread."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+
+from engine.cache.kv_cache import CacheSettings
+from engine.chat_cli import page_map_text, run_chat
+from engine.engine import Engine
+from engine.generator.generator import GeneratorSettings
+from engine.generator.job import EventKind, JobRequest
+from engine.generator.sampler import SamplingSettings
+
+GREEDY = SamplingSettings(temperature=0)
+SYSTEM = "You are a helpful assistant who answers briefly and plainly, in one sentence only."
+
+
+def _chat(question: str, **kwargs) -> JobRequest:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return JobRequest(messages=messages, sampling=GREEDY, **kwargs)
+
+
+@pytest.fixture
+def engine(smollm2_int4):
+    eng = Engine(
+        smollm2_int4,
+        CacheSettings(page_size=16, token_budget=2048),
+        GeneratorSettings(max_batch_size=8),
+    )
+    eng.start()
+    yield eng
+    eng.shutdown()
+    assert not eng.running
+
+
+def test_concurrent_jobs_stream_and_finish(engine):
+    seen: list = []
+    engine.add_listener(seen.append)
+    handles = [
+        engine.submit(_chat(q, max_new_tokens=16))
+        for q in ("Name a fruit.", "Name a tree.", "Name a bird.")
+    ]
+    for h in handles:
+        events = list(h.events(timeout=120))
+        assert events[0].kind is EventKind.STARTED and events[-1].eos
+        streamed = "".join(e.text for e in events if e.kind is EventKind.STREAMING)
+        assert streamed == h.result.text and h.result.new_tokens > 0
+    # Later prompts found the shared system prompt's pages (the same job may have shared
+    # them live, or found them cached).
+    assert max(h.result.cached_tokens for h in handles) >= 16
+    assert {e.job_id for e in seen if e.eos} == {h.job_id for h in handles}
+    snap = _wait_idle(engine)
+    assert snap.stats.pages_referenced == 0 and snap.stats.pages_cached > 0
+    assert snap.stats.prefix_hit_rate > 0
+    kinds = {e["kind"] for e in engine.telemetry.events()}
+    assert {"job_started", "job_done", "page_stored"} <= kinds
+    assert engine.telemetry.series("decode_tokens")[1].sum() == sum(
+        h.result.new_tokens for h in handles
+    )
+
+
+def _wait_idle(engine, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = engine.snapshot()
+        if not snap.jobs and snap.stats.pages_referenced == 0:
+            return snap
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+def test_snapshot_during_generation_shows_the_job(engine):
+    handle = engine.submit(
+        _chat("Write a long story about a lighthouse.", max_new_tokens=200, tag="chat-1")
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        snap = engine.snapshot()
+        running = [j for j in snap.jobs if j.job_id == handle.job_id and j.state == "decode"]
+        if running:
+            break
+        time.sleep(0.01)
+    assert running, "the snapshot never showed the job decoding"
+    info = running[0]
+    assert info.tag == "chat-1" and info.pages > 0
+    owners = {o for owners in snap.cache.owners for o in owners}
+    assert set(info.sequences) <= owners
+    assert all(snap.seq_jobs[s] == handle.job_id for s in info.sequences)
+    engine.cancel(handle.job_id)
+    result = handle.wait(30)
+    assert result.eos_reason == "cancelled"
+    snap = _wait_idle(engine)
+    assert not any(set(info.sequences) & set(o) for o in snap.cache.owners)
+
+
+def test_bad_input_is_refused_and_the_engine_keeps_serving(engine):
+    good = engine.submit(_chat("Say hello.", max_new_tokens=8))
+    for bad, message in (
+        (JobRequest(prompt=[]), "empty"),
+        (JobRequest(prompt=[1, 2, 3], max_new_tokens=0), "max_new_tokens"),
+        (JobRequest(prompt=[1, 2, 3], sampling=SamplingSettings(top_k=-3)), "top_k"),
+        (JobRequest(prompt=list(range(1, 3000)), max_new_tokens=4), "pages"),
+        (JobRequest(messages=[]), "empty"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.submit(bad)
+    cancelled = engine.submit(_chat("Count to one hundred.", max_new_tokens=100))
+    cancelled.cancel()
+    assert cancelled.wait(30).eos_reason in ("cancelled", "stop_token", "max_new_tokens")
+    assert good.wait(60).eos_reason in ("stop_token", "max_new_tokens")
+    assert engine.running
+
+
+def test_an_exception_in_the_loop_ends_jobs_not_the_thread(smollm2_int4, monkeypatch):
+    eng = Engine(smollm2_int4, CacheSettings(page_size=16, token_budget=1024))
+    calls = {"n": 0}
+    real = eng.generator.decode
+
+    def flaky(events):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom in the scheduler")
+        return real(events)
+
+    monkeypatch.setattr(eng.generator, "decode", flaky)
+    with eng:
+        first = eng.submit(_chat("Name a colour.", max_new_tokens=12))
+        result = first.wait(60)
+        assert result.eos_reason == "error" and "boom in the scheduler" in result.error
+        assert "boom in the scheduler" in eng.loop_error
+        second = eng.submit(_chat("Name a colour.", max_new_tokens=6))
+        assert second.wait(60).eos_reason in ("stop_token", "max_new_tokens")
+        eng.cache.pages.validate()
+
+
+def test_shutdown_while_generating_cancels_and_joins(smollm2_int4):
+    eng = Engine(smollm2_int4, CacheSettings(page_size=16, token_budget=1024)).start()
+    handle = eng.submit(_chat("Tell me everything about rivers.", max_new_tokens=400))
+    for event in handle.events(timeout=60):
+        if event.kind is EventKind.STREAMING:
+            break
+    t0 = time.monotonic()
+    eng.shutdown(timeout=30)
+    assert time.monotonic() - t0 < 30
+    assert handle.wait(1).eos_reason == "cancelled"
+    assert not eng.running
+    assert not eng.cache.pages.referenced
+    with pytest.raises(RuntimeError):
+        eng.submit(_chat("Hello?"))
+
+
+def test_submit_from_many_threads(engine):
+    handles = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        h = engine.submit(
+            JobRequest(
+                prompt=[1, 2, 3, 4 + i], sampling=GREEDY, max_new_tokens=5, stop_token_ids=()
+            )
+        )
+        with lock:
+            handles.append(h)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = [h.wait(60) for h in handles]
+    assert len({h.job_id for h in handles}) == 8
+    assert all(len(r.token_ids[0]) == 5 for r in results)
+
+
+def test_chat_cli_reuses_earlier_turns_and_prints_the_page_map(engine):
+    out = io.StringIO()
+    lines = [
+        "What is a cat?\n",
+        "/stats\n",
+        "And a dog?\n",
+        "/stats\n",
+        "/reset\n",
+        "/nonsense\n",
+        "/quit\n",
+    ]
+    messages = run_chat(engine, lines, out, system=SYSTEM, sampling=GREEDY, max_new_tokens=24)
+    text = out.getvalue()
+    assert len(messages) == 1  # reset back to the system prompt
+    stats = text.split("last reply: ")[1:]
+    assert len(stats) == 2
+    cached_second = int(stats[1].split(" = ")[1].split(" cached")[0])
+    assert cached_second >= 32, "the second turn recomputed the first"
+    assert "legend:" in text and "unknown command /nonsense" in text
+
+
+def test_page_map_text_counts_pages(engine):
+    snap = engine.snapshot()
+    text = page_map_text(snap, width=32)
+    rows = text.splitlines()
+    cells = "".join(rows[: -(-snap.num_pages // 32)])
+    assert len(cells) == snap.num_pages and set(cells) <= set(".#+ch")
+    assert f"{snap.num_pages} pages x {snap.page_size} tokens" in text

@@ -1,0 +1,104 @@
+"""The engine bridge: events as batched signals on the UI thread, snapshots on a timer
+only when the engine moved, errors from loading as signals, clean shutdown. Also the
+engine settings the settings dialog edits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.cache.kv_cache import CacheSettings
+from engine.generator.generator import GeneratorSettings
+from engine.generator.job import EventKind, JobRequest
+from engine.generator.sampler import SamplingSettings
+from gui.bridge import EngineBridge
+from gui.settings_dialog import EngineSettings, SettingsDialog
+
+
+@pytest.fixture
+def bridge(qtbot, smollm2_int4):
+    b = EngineBridge()
+    with qtbot.waitSignal(b.engine_ready, timeout=30_000):
+        b.use_loaded(
+            smollm2_int4,
+            CacheSettings(page_size=16, token_budget=512),
+            GeneratorSettings(max_chunk_size=64),
+        )
+    yield b
+    b.shutdown()
+
+
+@pytest.mark.slow
+def test_events_arrive_batched_on_the_ui_thread(qtbot, bridge):
+    batches: list[list] = []
+    threads: set[str] = set()
+
+    def on_events(events: list) -> None:
+        batches.append(events)
+        threads.add(threading.current_thread().name)
+
+    bridge.job_events.connect(on_events)
+    handle = bridge.submit(
+        JobRequest(
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_new_tokens=12,
+            sampling=SamplingSettings(temperature=0),
+            tag="chat-a",
+        )
+    )
+    qtbot.waitUntil(lambda: any(e.eos for b in batches for e in b), timeout=30_000)
+    events = [e for b in batches for e in b]
+    assert threads == {threading.main_thread().name}
+    assert events[0].kind == EventKind.STARTED and events[-1].eos
+    assert all(e.job_id == handle.job_id and e.tag == "chat-a" for e in events)
+    streamed = "".join(e.text for e in events if e.kind == EventKind.STREAMING)
+    assert streamed and streamed == events[-1].result.text
+
+
+@pytest.mark.slow
+def test_snapshots_only_when_the_engine_moved(qtbot, bridge):
+    seen: list = []
+    bridge.snapshot_ready.connect(seen.append)
+    qtbot.wait(350)  # idle engine: at most the first tick's snapshot
+    assert len(seen) <= 1
+    assert bridge.poll_snapshot() is None  # same version: skipped
+    assert bridge.poll_snapshot(force=True) is not None
+
+
+@pytest.mark.slow
+def test_bad_requests_raise_in_the_caller(bridge):
+    with pytest.raises(ValueError, match="pages"):
+        bridge.submit(JobRequest(messages=[{"role": "user", "content": "word " * 2000}]))
+    with pytest.raises(ValueError):
+        bridge.submit(JobRequest(messages=[]))
+
+
+def test_load_failure_is_a_signal(qtbot, tmp_path):
+    b = EngineBridge()
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 40)
+    with qtbot.waitSignal(b.engine_failed, timeout=30_000) as blocker:
+        b.load(bad)
+    assert "broken.gguf" in blocker.args[0]
+    assert not b.ready and not b.busy
+    with pytest.raises(RuntimeError, match="no model"):
+        b.submit(JobRequest(messages=[{"role": "user", "content": "hi"}]))
+
+
+def test_engine_settings_round_trip_and_rebuild_rules(qtbot):
+    s = EngineSettings(page_size=64, budget=256, budget_unit="MB", k_bits=8, v_bits=4)
+    assert EngineSettings.from_dict(s.as_dict()) == s
+    cache = s.cache_settings()
+    assert cache.byte_budget == 256 << 20 and cache.token_budget is None
+    assert EngineSettings.from_dict({"page_size": 7, "junk": 1}) == EngineSettings()
+    assert EngineSettings.from_dict("nonsense") == EngineSettings()  # type: ignore[arg-type]
+    assert not s.needs_rebuild(EngineSettings(**{**s.as_dict(), "cpu_threads": 2}))
+    assert s.needs_rebuild(EngineSettings(**{**s.as_dict(), "page_size": 32}))
+    dialog = SettingsDialog(s)
+    qtbot.addWidget(dialog)
+    assert dialog.values() == s and dialog.rebuild_note.isHidden()
+    dialog.threads.setValue(1)
+    assert not dialog.needs_rebuild()
+    dialog.page_size.setCurrentIndex(dialog.page_size.findData(128))
+    assert dialog.needs_rebuild() and not dialog.rebuild_note.isHidden()
