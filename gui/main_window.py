@@ -123,6 +123,7 @@ class MainWindow(QMainWindow):
         self.controller = ChatController(store, self.bridge, self)
         self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
         self.error_dialog: QMessageBox | None = None
+        self.models_dialog: Any = None  # gui.models_dialog.ModelsDialog, built on first use
         self.model_info: ModelInfo | None = None
         self._last_status = 0.0
         self._closing = False
@@ -203,12 +204,15 @@ class MainWindow(QMainWindow):
         self.new_action.triggered.connect(lambda: self.new_conversation())
         open_model = QAction("&Open model…", self)
         open_model.triggered.connect(self.choose_model)
+        models_action = QAction("&Models…", self)
+        models_action.setShortcut(QKeySequence("Ctrl+M"))
+        models_action.triggered.connect(self.open_models)
         settings_action = QAction("Engine &settings…", self)
         settings_action.triggered.connect(self.open_settings)
         quit_action = QAction("&Quit", self)
         quit_action.setShortcut(QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
-        for action in (self.new_action, open_model, settings_action):
+        for action in (self.new_action, open_model, models_action, settings_action):
             file_menu.addAction(action)
         file_menu.addSeparator()
         file_menu.addAction(quit_action)
@@ -316,6 +320,23 @@ class MainWindow(QMainWindow):
         if path:
             self.controller.stop_all()
             self.load_model(path)
+
+    def open_models(self) -> None:
+        """The Models window: one instance for the app's life, so downloads outlive it."""
+        if self.models_dialog is None:
+            from gui.models_dialog import ModelsDialog
+
+            self.models_dialog = ModelsDialog(
+                self.bridge, lambda: self.engine_settings.cache_settings(), self
+            )
+            self.models_dialog.load_requested.connect(self._load_from_models)
+        self.models_dialog.show()
+        self.models_dialog.raise_()
+        self.models_dialog.activateWindow()
+
+    def _load_from_models(self, path: Path) -> None:
+        self.controller.stop_all()
+        self.load_model(path)
 
     def on_load_progress(self, fraction: float, what: str) -> None:
         self.load_bar.setVisible(True)
