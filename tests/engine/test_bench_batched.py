@@ -47,7 +47,7 @@ def test_batched_json_lines(capsys):
         assert r["S_TG"] == pytest.approx(r["B"] * r["TG"] / r["T_TG"], rel=0.02)
         pp_tokens = r["PP"] if r["shared"] else r["B"] * r["PP"]
         assert r["S_PP"] == pytest.approx(pp_tokens / r["T_PP"], rel=0.02)
-        assert r["T"] >= r["T_PP"] + r["T_TG"]
+        assert r["T"] >= r["T_PP"] + r["T_TG"] - 0.002  # each rounded to 1 ms
         assert r["pages"] >= r["B"]
     assert any(r.get("ratio") for r in lines)
 
