@@ -149,7 +149,7 @@ def _chat(args: argparse.Namespace) -> int:
     )
     sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
     sampling.validate()
-    print(f"{loaded.path.name}: {loaded.config.architecture}, cache {args.cache_tokens} tokens in pages of {args.page_size}")
+    print(f"{loaded.path.name}: {loaded.config.arch}, cache {args.cache_tokens} tokens in pages of {args.page_size}")
     with Engine(loaded, cache) as engine:
         run_chat(engine, sys.stdin, sys.stdout, args.system, sampling, args.max_new_tokens)
     return 0

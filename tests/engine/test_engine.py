@@ -205,3 +205,14 @@ def test_page_map_text_counts_pages(engine):
     cells = "".join(rows[: -(-snap.num_pages // 32)])
     assert len(cells) == snap.num_pages and set(cells) <= set(".#+ch")
     assert f"{snap.num_pages} pages x {snap.page_size} tokens" in text
+
+
+def test_folio_chat_command(smollm2_path, monkeypatch, capsys):
+    from engine.cli import main
+
+    monkeypatch.setattr("engine.cli._model_path", lambda arg: smollm2_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\n/stats\n/quit\n"))
+    argv = ["chat", "--page-size", "16", "--cache-tokens", "1024", "--temperature", "0"]
+    assert main(argv + ["--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2" in out and "last reply: prompt" in out and "legend:" in out
