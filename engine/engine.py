@@ -310,7 +310,7 @@ class Engine:
                 detail=ev.detail,
             )
         snap = pages.snapshot()
-        jobs = [_job_info(job, pages) for job in list(gen.active) + list(gen.pending)]
+        jobs = [_job_info(job) for job in list(gen.active) + list(gen.pending)]
         host = pages.host_tier
         snapshot = EngineSnapshot(
             version=gen.steps,
@@ -323,7 +323,7 @@ class Engine:
             eviction_next=pages.next_victims(64),
             jobs=jobs,
             seq_jobs=dict(gen.seq_jobs),
-            job_tags={job.job_id: job.tag for job in list(gen.active) + list(gen.pending)},
+            job_tags={info.job_id: info.tag for info in jobs},
             cache_bytes=self.cache.nbytes(),
             host_bytes=host.nbytes() if host is not None else 0,
         )
@@ -332,9 +332,7 @@ class Engine:
         self._last_publish = snapshot.time
 
 
-def _job_info(job: Job, pages) -> JobInfo:
-    live = [s for s in job.sequences if s.alloc is not None]
-    held = {p for s in live for p in s.alloc.block_table}
+def _job_info(job: Job) -> JobInfo:
     return JobInfo(
         job_id=job.job_id,
         tag=job.tag,
@@ -344,8 +342,8 @@ def _job_info(job: Job, pages) -> JobInfo:
         cached_tokens=job.cached_tokens,
         skips=job.skips,
         wait_reason=job.wait_reason,
-        sequences=tuple(s.seq_id for s in live),
-        pages=len(held),
+        sequences=tuple(s.seq_id for s in job.sequences if s.alloc is not None),
+        pages=len(job.held_pages()),
     )
 
 

@@ -169,12 +169,12 @@ class Generator:
         events: list[JobEvent] = []
         self.start_pending_jobs(events)
         prefilled = self.prefill(events)
-        decoded, batch = self.decode(events)
+        decoded = self.decode(events)
         if self.idle and self.settings.defrag and not self.pages.referenced:
             self.pages.defrag()
         self.steps += 1
         if self.telemetry is not None:
-            self._record(prefilled, decoded, batch)
+            self._record(prefilled, decoded)
         return events
 
     # -- admission (§3) ----------------------------------------------------------------
@@ -206,7 +206,7 @@ class Generator:
         seq = job.sequences[0]
         full = (len(seq.tokens) - 1) // self.page_size
         bound = (job.width - 1) * (total - full)
-        held = {p for s in job.live for p in (s.alloc.block_table if s.alloc else ())}
+        held = job.held_pages()
         return max(0, bound - (len(held) - total)) if held else bound
 
     def _reserved_for_copies(self) -> int:
@@ -363,13 +363,13 @@ class Generator:
 
     # -- decode (§7 steps 3 and 4) ------------------------------------------------------
 
-    def decode(self, events: list[JobEvent]) -> tuple[int, int]:
+    def decode(self, events: list[JobEvent]) -> int:
         """One forward over every ready sequence, then sampling and stops.
-        Returns (tokens decoded, sequences in the batch)."""
+        Returns the sequences decoded (one token each)."""
         jobs = [j for j in self.active if j.state is JobState.DECODE]
         rows = [(job, seq) for job in jobs for seq in job.live]
         if not rows:
-            return 0, 0
+            return 0
         ps = self.page_size
         try:
             for _, seq in rows:
@@ -380,7 +380,7 @@ class Generator:
         except Exception as exc:  # noqa: BLE001 - these jobs end, the loop goes on
             for job in jobs:
                 self._finish_job(job, StopReason.ERROR, events, f"decode failed: {exc}")
-            return 0, 0
+            return 0
         for _, seq in rows:
             seq.stored += 1
             logical = (seq.stored - 1) // ps
@@ -410,7 +410,7 @@ class Generator:
                 self._finish_job(job, None, events)
             elif job.width == 1 and self._round_full(job.sequences[0]):
                 self._requeue(job)
-        return len(rows), len(rows)
+        return len(rows)
 
     def _round_full(self, seq: Sequence) -> bool:
         return seq.stored >= len(seq.alloc.block_table) * self.page_size
@@ -672,13 +672,13 @@ class Generator:
         return seq
 
     def _note_pages(self, job: Job) -> None:
-        held = {p for s in job.sequences if s.alloc is not None for p in s.alloc.block_table}
-        job.peak_pages = max(job.peak_pages, len(held))
+        job.peak_pages = max(job.peak_pages, len(job.held_pages()))
 
-    def _record(self, prefilled: int, decoded: int, batch: int) -> None:
+    def _record(self, prefilled: int, decoded: int) -> None:
         stats = cache_stats(self.pages.snapshot(), self.page_size)
         self.telemetry.record(
-            StepRecord.of(self.clock(), stats, prefilled, decoded, batch, len(self.pending))
+            # one token per decoded sequence: the batch size is the token count
+            StepRecord.of(self.clock(), stats, prefilled, decoded, decoded, len(self.pending))
         )
 
 

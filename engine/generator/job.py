@@ -192,6 +192,10 @@ class Job:
     def live(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]
 
+    def held_pages(self) -> set[int]:
+        """Distinct physical pages the job's sequences hold now (shared ones once)."""
+        return {p for s in self.sequences if s.alloc is not None for p in s.alloc.block_table}
+
     @property
     def tag(self) -> Any:
         return self.request.tag

@@ -22,6 +22,7 @@ import json
 import re
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -118,6 +119,21 @@ class FakeHub:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+    def serve_isolated(self, monkeypatch, tmp_path) -> Iterator[FakeHub]:
+        """Start, point huggingface_hub and Folio's folders at this server and at
+        ``tmp_path`` (nothing of the real user's cache, token or settings is seen), and
+        stop when the generator closes: the body of a pytest fixture."""
+        self.start()
+        monkeypatch.setenv("HF_ENDPOINT", self.url)
+        monkeypatch.setenv("FOLIO_MODELS_DIR", str(tmp_path / "models"))
+        monkeypatch.setenv("FOLIO_CONFIG_DIR", str(tmp_path / "config"))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield self
+        self.stop()
 
     @property
     def port(self) -> int:

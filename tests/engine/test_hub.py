@@ -157,16 +157,7 @@ def hub(tmp_path, monkeypatch, gguf_bytes):
     server.add_repo(
         "folio-test/Gated-GGUF", {"g.Q8_0.gguf": gguf_bytes["q8"]}, gated_token="hf_secret"
     )
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("FOLIO_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setenv("FOLIO_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    yield server
-    server.stop()
+    yield from server.serve_isolated(monkeypatch, tmp_path)
 
 
 def models_dir(tmp_path: Path) -> Path:

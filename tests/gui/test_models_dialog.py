@@ -48,16 +48,7 @@ def hub(tmp_path, monkeypatch, model_bytes):
         gguf={"architecture": "llama"},
         wrong_sha256={"broken.Q8_0.gguf"},
     )
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("FOLIO_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setenv("FOLIO_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    yield server
-    server.stop()
+    yield from server.serve_isolated(monkeypatch, tmp_path)
 
 
 def make_dialog(qtbot) -> ModelsDialog:
