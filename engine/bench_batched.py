@@ -31,6 +31,7 @@ from engine.generator.job import EventKind, JobRequest
 from engine.generator.sampler import SamplingSettings
 from engine.model.loader import LoadedModel, load_model
 from engine.perplexity import reference_text
+from kernels.bf16 import BATCHED_FROM_ROWS
 
 GREEDY = SamplingSettings(temperature=0)
 PAGE_SIZE = 256
@@ -62,6 +63,10 @@ def _peak_pages(gen: Generator) -> int:
 
 
 # -- batched -------------------------------------------------------------------------------
+
+
+def _weights_label(loaded: LoadedModel) -> str:
+    return f"{loaded.weight_mode}+bf16" if loaded.batched_weights_bytes else loaded.weight_mode
 
 
 def batched_case(loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool) -> dict:
@@ -124,6 +129,7 @@ def batched_case(loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool) ->
         "T": round(t_end - t0, 3),
         "S": round((pp_tokens + b * tg) / (t_end - t0), 2),
         "pages": peak,
+        "weights": _weights_label(loaded),
     }
 
 
@@ -158,7 +164,12 @@ def transformers_case(hf_model, loaded: LoadedModel, pp: int, tg: int, b: int) -
 def run_batched_bench(args: argparse.Namespace) -> None:
     from engine.cli import _model_path
 
-    loaded = load_model(_model_path(args.model))
+    loaded = load_model(_model_path(args.model), batched_weights=args.batched_weights)
+    # Side by side: batches of BATCHED_FROM_ROWS and more again without the bf16 copies
+    plain = None
+    if loaded.batched_weights_bytes and args.batched_weights == "auto":
+        plain = load_model(loaded.path, batched_weights="off", load_tokenizer=False)
+        plain.tokenizer = loaded.tokenizer
     if args.quick:
         grid = [(128, 32, b, s) for b in (1, 4, 16) for s in (False, True)]
     else:
@@ -170,23 +181,33 @@ def run_batched_bench(args: argparse.Namespace) -> None:
             for s in (False, True)
         ]
     batched_case(loaded, 64, 4, 2, False)  # warm-up: kernels compiled, caches touched
+    if plain is not None:
+        batched_case(plain, 64, 4, BATCHED_FROM_ROWS, False)
+    print(
+        f"weights: {_weights_label(loaded)} ({loaded.batched_weights_bytes / 1e6:.0f} MB of bf16 copies)"
+    )
     rows = []
     if not args.json:
         print(
-            f"{'PP':>5} {'TG':>5} {'B':>3} {'shared':>6} {'T_PP s':>8} {'S_PP t/s':>9} {'T_TG s':>8} {'S_TG t/s':>9} {'T s':>7} {'S t/s':>8} {'pages':>6}"
+            f"{'PP':>5} {'TG':>5} {'B':>3} {'shared':>6} {'T_PP s':>8} {'S_PP t/s':>9} {'T_TG s':>8} {'S_TG t/s':>9} {'T s':>7} {'S t/s':>8} {'pages':>6} weights"
         )
     for pp, tg, b, shared in grid:
-        row = batched_case(loaded, pp, tg, b, shared)
-        rows.append(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
-            print(
-                f"{pp:>5} {tg:>5} {b:>3} {str(shared):>6} {row['T_PP']:>8.3f} {row['S_PP']:>9.1f} "
-                f"{row['T_TG']:>8.3f} {row['S_TG']:>9.1f} {row['T']:>7.3f} {row['S']:>8.1f} {row['pages']:>6}",
-                flush=True,
-            )
-    _print_batched_ratios(rows, args.json)
+        models = [loaded] + ([plain] if plain is not None and b >= BATCHED_FROM_ROWS else [])
+        for model in models:
+            row = batched_case(model, pp, tg, b, shared)
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(
+                    f"{pp:>5} {tg:>5} {b:>3} {str(shared):>6} {row['T_PP']:>8.3f} {row['S_PP']:>9.1f} "
+                    f"{row['T_TG']:>8.3f} {row['S_TG']:>9.1f} {row['T']:>7.3f} {row['S']:>8.1f} {row['pages']:>6} "
+                    f"{row['weights']}",
+                    flush=True,
+                )
+    _print_batched_ratios([r for r in rows if r["weights"] == _weights_label(loaded)], args.json)
+    if plain is not None:
+        _print_weights_ratios(rows, _weights_label(loaded), _weights_label(plain), args.json)
     if not args.quick and not args.skip_transformers:
         _compare_transformers(loaded, rows, args)
 
@@ -213,6 +234,30 @@ def _print_batched_ratios(rows: list[dict], as_json: bool) -> None:
             )
 
 
+def _print_weights_ratios(rows: list[dict], fast: str, plain: str, as_json: bool) -> None:
+    """S_TG with the bf16 batch copies over S_TG without, case by case (same run)."""
+    by_key = {(r["PP"], r["TG"], r["B"], r["shared"], r["weights"]): r for r in rows}
+    for (pp, tg, b, shared, weights), row in sorted(by_key.items()):
+        other = by_key.get((pp, tg, b, shared, plain))
+        if weights != fast or other is None or not row["S_TG"] or not other["S_TG"]:
+            continue
+        value = round(row["S_TG"] / other["S_TG"], 2)
+        summary = {
+            "ratio": f"S_TG({fast}) / S_TG({plain})",
+            "PP": pp,
+            "TG": tg,
+            "B": b,
+            "shared": shared,
+            "value": value,
+        }
+        if as_json:
+            print(json.dumps(summary))
+        else:
+            print(
+                f"bf16 batch copies PP={pp} TG={tg} B={b} shared={shared}: {value}x the {plain}-only decode rate"
+            )
+
+
 def _compare_transformers(loaded: LoadedModel, rows: list[dict], args: argparse.Namespace) -> None:
     try:
         from transformers import AutoModelForCausalLM
@@ -228,7 +273,11 @@ def _compare_transformers(loaded: LoadedModel, rows: list[dict], args: argparse.
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()
     hf.generation_config.pad_token_id = hf.generation_config.eos_token_id
-    by_key = {(r["PP"], r["TG"], r["B"]): r for r in rows if not r["shared"]}
+    by_key = {
+        (r["PP"], r["TG"], r["B"]): r
+        for r in rows
+        if not r["shared"] and r["weights"] == _weights_label(loaded)
+    }
     for pp in args.pp:
         tg = min(args.tg)
         for b in (1, 8):

@@ -13,27 +13,50 @@ EXIT_FAILED = 1
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="folio", description="Run quantized language models locally.")
+    parser = argparse.ArgumentParser(
+        prog="folio", description="Run quantized language models locally."
+    )
     # `folio --smoke-test` (what the launchers check) = `folio app --smoke-test`. Its own dest:
     # the `app` subparser's default would overwrite a shared one.
-    parser.add_argument("--smoke-test", dest="top_smoke_test", action="store_true",
-                        help="the desktop app: start, load, run briefly, exit (0 = fine)")
+    parser.add_argument(
+        "--smoke-test",
+        dest="top_smoke_test",
+        action="store_true",
+        help="the desktop app: start, load, run briefly, exit (0 = fine)",
+    )
     sub = parser.add_subparsers(dest="command")  # no command: the desktop app
     app = sub.add_parser("app", help="the desktop app (also what `folio` alone starts)")
     app.add_argument("--smoke-test", action="store_true", help="start, load, run briefly, exit")
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming the reply to stdout")
     gen.add_argument("prompt")
-    gen.add_argument("--model", type=Path, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--weights", choices=("int4", "dequant"), default=None, help="weight storage (default: int4)")
+    gen.add_argument(
+        "--weights",
+        choices=("int4", "dequant"),
+        default=None,
+        help="weight storage (default: int4)",
+    )
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of streaming text"
+    )
 
-    chat = sub.add_parser("chat", help="an interactive chat in the terminal (/stats, /reset, /quit)")
-    chat.add_argument("--model", type=Path, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    chat = sub.add_parser(
+        "chat", help="an interactive chat in the terminal (/stats, /reset, /quit)"
+    )
+    chat.add_argument(
+        "--model",
+        type=Path,
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
@@ -50,22 +73,36 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--model", type=Path)
     fwd.add_argument("--prefill-tokens", type=int, default=512)
     fwd.add_argument("--decode-tokens", type=int, default=64)
-    fwd.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is the best")
+    fwd.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; each figure is the best"
+    )
     fwd.add_argument("--skip-transformers", action="store_true")
     cache = bsub.add_parser("cache", help="page table and cache storage speed, KV bytes per token")
     cache.add_argument("--pages", type=int, default=4096)
     cache.add_argument("--page-size", type=int, default=16)
     cache.add_argument("--rounds", type=int, default=20)
     cache.add_argument("--tier-pages", type=int, default=8)
-    batched = bsub.add_parser("batched", help="llama-batched-bench's table: PP x TG x B, shared prompt or not")
+    batched = bsub.add_parser(
+        "batched", help="llama-batched-bench's table: PP x TG x B, shared prompt or not"
+    )
     batched.add_argument("--model", type=Path)
-    batched.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
+    batched.add_argument(
+        "--quick", action="store_true", help="a subset that runs in under two minutes"
+    )
     batched.add_argument("--json", action="store_true", help="one JSON object per line")
     batched.add_argument("--pp", type=int, nargs="+", default=[128, 512])
     batched.add_argument("--tg", type=int, nargs="+", default=[32, 128])
     batched.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     batched.add_argument("--skip-transformers", action="store_true")
-    serve = bsub.add_parser("serve", help="requests arriving over time, groups sharing system prompts")
+    batched.add_argument(
+        "--batched-weights",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 copies for decode batches of 12+ sequences; with auto, those also run without them, side by side",
+    )
+    serve = bsub.add_parser(
+        "serve", help="requests arriving over time, groups sharing system prompts"
+    )
     serve.add_argument("--model", type=Path)
     serve.add_argument("--requests", type=int, default=64)
     serve.add_argument("--groups", type=int, default=8)
@@ -74,7 +111,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second")
     serve.add_argument("--cache-tokens", type=int, default=12288)
     serve.add_argument("--json", action="store_true")
-    kvq = bsub.add_parser("kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)")
+    kvq = bsub.add_parser(
+        "kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)"
+    )
     kvq.add_argument("--model", type=Path)
     kvq.add_argument("--tokens", type=int, default=4096)
     return parser
@@ -143,13 +182,20 @@ def _chat(args: argparse.Namespace) -> int:
 
     loaded = load_model(_model_path(args.model))
     if not loaded.tokenizer.has_chat_template:
-        raise ValueError(f"{loaded.path.name} has no chat template: use `folio generate --raw` instead")
+        raise ValueError(
+            f"{loaded.path.name} has no chat template: use `folio generate --raw` instead"
+        )
     cache = CacheSettings(
-        page_size=args.page_size, token_budget=args.cache_tokens, k_bits=args.k_bits, v_bits=args.v_bits
+        page_size=args.page_size,
+        token_budget=args.cache_tokens,
+        k_bits=args.k_bits,
+        v_bits=args.v_bits,
     )
     sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
     sampling.validate()
-    print(f"{loaded.path.name}: {loaded.config.arch}, cache {args.cache_tokens} tokens in pages of {args.page_size}")
+    print(
+        f"{loaded.path.name}: {loaded.config.arch}, cache {args.cache_tokens} tokens in pages of {args.page_size}"
+    )
     with Engine(loaded, cache) as engine:
         run_chat(engine, sys.stdin, sys.stdout, args.system, sampling, args.max_new_tokens)
     return 0
@@ -195,7 +241,10 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         if os.environ.get("FOLIO_VERBOSE"):
-            print(json.dumps({k: v for k, v in completion.as_dict().items() if k != "text"}), file=sys.stderr)
+            print(
+                json.dumps({k: v for k, v in completion.as_dict().items() if k != "text"}),
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -291,10 +291,13 @@ def estimate_weight_bytes(
 
     Q4_0 / Q4_1 / Q4_K projections stay int4 in ``int4`` mode; everything else (the
     embedding, norms, other quant types) is dequantized to fp32. A tied output head gets
-    a 4-bit scoring copy (kernels/head.py). An estimate: a few percent either way.
+    a 4-bit scoring copy (kernels/head.py). Where the loader would keep bf16 copies for
+    batched decode (kernels/bf16.py: AMX CPUs, small models), they count too. An
+    estimate: a few percent either way.
     """
     total = 0.0
     names = {name for name, _, _ in tensors}
+    batchable = 0  # values of the int4 projections and the head: what gets a bf16 copy
     for name, shape, qtype in tensors:
         n = int(np.prod(shape)) if shape else 1
         int4 = (
@@ -305,6 +308,20 @@ def estimate_weight_bytes(
             and name != "token_embd.weight"
         )
         total += n * (_INT4_BYTES_PER_VALUE if int4 else _DENSE_BYTES)
-        if name == "token_embd.weight" and "output.weight" not in names and weight_mode == "int4":
+        tied_head = name == "token_embd.weight" and "output.weight" not in names
+        if tied_head and weight_mode == "int4":
             total += n * _INT4_BYTES_PER_VALUE  # the head's quantized scoring copy
+        if int4 or tied_head or name == "output.weight":
+            batchable += n
+    if weight_mode == "int4":
+        total += _batched_copy_bytes(batchable)
     return int(total)
+
+
+def _batched_copy_bytes(values: int) -> int:
+    """Bytes of the bf16 batch copies the loader's "auto" would keep for ``values``."""
+    from engine.model.loader import BATCHED_AUTO_MAX_BYTES
+    from kernels.bf16 import packed_bf16_available
+
+    copies = 2 * values
+    return copies if copies <= BATCHED_AUTO_MAX_BYTES and packed_bf16_available() else 0

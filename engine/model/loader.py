@@ -21,6 +21,7 @@ import torch
 from engine.model.config import ModelConfig
 from engine.model.gguf_file import GGUFError, GGUFFile
 from engine.model.transformer import Concat, Layer, Linear, Transformer
+from kernels.bf16 import packed_bf16_available, packed_bf16_supported
 from kernels.dequant import SUPPORTED_TYPES, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
@@ -28,6 +29,10 @@ from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
 WEIGHT_MODES = ("int4", "bf16", "dequant")
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
 DEFAULT_WEIGHT_MODE = "int4"
+# bf16 copies of the int4 weights for batched decode (kernels/bf16.py): "auto" keeps them
+# where the CPU has AMX bf16 and they cost at most BATCHED_AUTO_MAX_BYTES
+BATCHED_WEIGHTS = ("auto", "on", "off")
+BATCHED_AUTO_MAX_BYTES = 1 << 30
 
 Progress = Callable[[float, str], None]
 
@@ -50,6 +55,7 @@ class LoadedModel:
     # engine.cache.kv_cache.KeyCalibration: the pre-RoPE key means of a quantized K cache,
     # computed by the first such cache (KVCache.for_model) and shared by the later ones
     key_calibration: object | None = None
+    batched_weights_bytes: int = 0  # bf16 copies for batched decode (kernels/bf16.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -60,6 +66,23 @@ class LoadedModel:
         return self.path.stem if self.format == "gguf" else self.path.name
 
 
+def _add_batched_weights(loaded: LoadedModel, mode: str, report: Progress) -> None:
+    """Keep bf16 copies of the int4 weights for batched decode, as `mode` says."""
+    model = loaded.model
+    need = model.batched_weights_bytes()
+    if mode == "off" or need == 0:
+        return
+    if mode == "auto" and not (packed_bf16_available() and need <= BATCHED_AUTO_MAX_BYTES):
+        return
+    if mode == "on" and not packed_bf16_supported():
+        raise ModelLoadError(
+            "batched bf16 weights need oneDNN with bf16 support, which this PyTorch build or CPU lacks; "
+            "load with batched weights 'auto' or 'off'"
+        )
+    report(0.9, "bf16 copies for batched decode")
+    loaded.batched_weights_bytes = model.add_batched_weights()
+
+
 def load_model(
     path: str | Path,
     weight_mode: str = DEFAULT_WEIGHT_MODE,
@@ -67,10 +90,15 @@ def load_model(
     progress: Progress | None = None,
     load_tokenizer: bool = True,
     head_bits: int = 4,
+    batched_weights: str = "auto",
 ) -> LoadedModel:
     path = Path(path)
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
+    if batched_weights not in BATCHED_WEIGHTS:
+        raise ValueError(
+            f"batched weights {batched_weights!r} is not one of {', '.join(BATCHED_WEIGHTS)}"
+        )
     if not path.exists():
         raise ModelLoadError(f"{path}: no such model file or folder")
     start = time.perf_counter()
@@ -83,6 +111,7 @@ def load_model(
         raise ModelLoadError(
             f"{path}: not a model Folio can read; choose a .gguf file or a folder with config.json and *.safetensors"
         )
+    _add_batched_weights(loaded, batched_weights, report)
     if load_tokenizer:
         report(0.95, "tokenizer")
         loaded.tokenizer = _load_tokenizer(loaded)
@@ -107,7 +136,9 @@ def _load_tokenizer(loaded: LoadedModel):
 # -- GGUF --------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progress, head_bits: int = 4) -> LoadedModel:
+def _load_gguf(
+    path: Path, weight_mode: str, dtype: torch.dtype, report: Progress, head_bits: int = 4
+) -> LoadedModel:
     try:
         gf = GGUFFile(path)
     except GGUFError as exc:
@@ -132,7 +163,9 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
 
     def required(name: str) -> str:
         if name not in gf.tensors:
-            raise ModelLoadError(f"{path}: tensor {name!r} is missing; the file is incomplete or not a {config.arch} model")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is missing; the file is incomplete or not a {config.arch} model"
+            )
         return name
 
     def dense(name: str) -> torch.Tensor:
@@ -156,7 +189,9 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
         return weight_mode == "int4" and int4_supported(qtype) and shape[-1] % 32 == 0
 
     def dense_weight(data, qtype, shape) -> torch.Tensor:
-        return dequantize(data, qtype, shape, dtype=torch.bfloat16 if weight_mode == "bf16" else dtype)
+        return dequantize(
+            data, qtype, shape, dtype=torch.bfloat16 if weight_mode == "bf16" else dtype
+        )
 
     def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat:
         """One projection, or several fused along the output dim (q/k/v, gate/up)."""
@@ -165,7 +200,9 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
         biases = [bias(n, s, h) for n, (_, _, s), h in zip(names, parts, heads)]
         fused_bias = None
         if any(b is not None for b in biases):
-            fused_bias = torch.cat([b if b is not None else torch.zeros(s[0]) for b, (_, _, s) in zip(biases, parts)])
+            fused_bias = torch.cat(
+                [b if b is not None else torch.zeros(s[0]) for b, (_, _, s) in zip(biases, parts)]
+            )
         if all(int4_able(q, s) for _, q, s in parts):
             weight = int4_from_gguf_parts(parts) if len(parts) > 1 else int4_from_gguf(*parts[0])
             return Linear(weight, fused_bias, functools.partial(_dense_parts, parts))
@@ -188,12 +225,19 @@ def _load_gguf(path: Path, weight_mode: str, dtype: torch.dtype, report: Progres
         lm_head = linear("output")
     else:
         lm_head = Linear(embedding)
-    if weight_mode == "int4" and isinstance(lm_head, Linear) and lm_head.bias is None and lm_head.weight.dtype == torch.float32:
+    if (
+        weight_mode == "int4"
+        and isinstance(lm_head, Linear)
+        and lm_head.bias is None
+        and lm_head.weight.dtype == torch.float32
+    ):
         # The head is the largest matrix read at every decode step: score with a quantized
         # copy, recompute the leading logits exactly (kernels/head.py).
         lm_head = RescoredHead(lm_head.weight, bits=head_bits)
     factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
-    model = Transformer(config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype)
+    model = Transformer(
+        config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype
+    )
     return LoadedModel(
         path=path,
         format="gguf",
@@ -231,7 +275,9 @@ GGUF_NAMES = LayerNames(
     "blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight",
 )  # fmt: skip
 GGUF_GEMMA_NAMES = dataclasses.replace(
-    GGUF_NAMES, post_attn_norm="blk.{i}.post_attention_norm.weight", post_mlp_norm="blk.{i}.post_ffw_norm.weight"
+    GGUF_NAMES,
+    post_attn_norm="blk.{i}.post_attention_norm.weight",
+    post_mlp_norm="blk.{i}.post_ffw_norm.weight",
 )
 HF_NAMES = LayerNames(
     "layers.{i}.input_layernorm.weight", "layers.{i}.self_attn.q_proj", "layers.{i}.self_attn.k_proj",
@@ -248,7 +294,9 @@ HF_GEMMA_NAMES = dataclasses.replace(
 )
 
 
-def _build_layers(config: ModelConfig, names: LayerNames, norm, linear, report: Progress) -> list[Layer]:
+def _build_layers(
+    config: ModelConfig, names: LayerNames, norm, linear, report: Progress
+) -> list[Layer]:
     """Layers from a checkpoint through its `norm(name)` and `linear(*names, heads=())`
     readers (several names: projections fused along the output dim)."""
     layers = []
@@ -268,7 +316,12 @@ def _build_layer(config: ModelConfig, names: LayerNames, i: int, norm, linear) -
     return Layer(
         attn_norm=norm(name(names.attn_norm)),
         # heads: llama.cpp permutes q/k rows per head in `llama` GGUFs; the reader undoes it.
-        qkv=linear(name(names.q), name(names.k), name(names.v), heads=(config.num_heads, config.num_kv_heads, None)),
+        qkv=linear(
+            name(names.q),
+            name(names.k),
+            name(names.v),
+            heads=(config.num_heads, config.num_kv_heads, None),
+        ),
         o=linear(name(names.o)),
         mlp_norm=norm(name(names.mlp_norm)),
         gate_up=linear(name(names.gate), name(names.up)),
@@ -319,7 +372,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> Loade
 
     config_path = folder / "config.json"
     if not config_path.exists():
-        raise ModelLoadError(f"{folder}: no config.json; a Hugging Face model folder needs config.json, tokenizer.json and *.safetensors")
+        raise ModelLoadError(
+            f"{folder}: no config.json; a Hugging Face model folder needs config.json, tokenizer.json and *.safetensors"
+        )
     try:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
@@ -334,7 +389,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> Loade
         try:
             handles[f] = safe_open(str(f), framework="pt")
         except (SafetensorError, OSError, Exception) as exc:  # safetensors raises several types
-            raise ModelLoadError(f"{f}: cannot read the weights ({exc}); the file is damaged: download it again") from exc
+            raise ModelLoadError(
+                f"{f}: cannot read the weights ({exc}); the file is damaged: download it again"
+            ) from exc
         for key in handles[f].keys():
             index[_strip_prefix(key)] = f
 
@@ -356,7 +413,12 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, report: Progress) -> Loade
         biases = [maybe(n + ".bias") for n in names]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=dtype) for b, w in zip(biases, weights)])
+            bias = torch.cat(
+                [
+                    b if b is not None else torch.zeros(w.shape[0], dtype=dtype)
+                    for b, w in zip(biases, weights)
+                ]
+            )
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
 
     names = HF_GEMMA_NAMES if config.arch == "gemma3" else HF_NAMES

@@ -65,7 +65,27 @@ def test_int4_mode_agrees_with_dequant_mode(smollm2_int4, smollm2_dequant):
     agree, top_err = _agreement(_all_logits(smollm2_int4, ids[:, :256], chunk=1), exact[:256])
     assert agree >= 0.98, f"argmax agrees on only {agree:.1%} of positions"
     assert top_err < 0.02, f"relative error of the leading logit {top_err:.2%}"
-    assert smollm2_int4.weight_bytes < 0.5 * smollm2_dequant.weight_bytes
+    # int4 storage alone (the bf16 copies for batched rows, when kept, are extra)
+    assert smollm2_int4.weight_bytes - smollm2_int4.batched_weights_bytes < 0.5 * smollm2_dequant.weight_bytes
+
+
+def test_bf16_batch_copies_agree_with_dequant_as_well_as_int4(smollm2_int4, smollm2_dequant):
+    if not smollm2_int4.batched_weights_bytes:
+        pytest.skip("no bf16 batch copies: this CPU has no AMX bf16 (kernels/bf16.py)")
+    ids = _text_ids(smollm2_dequant.tokenizer, 256)
+    exact = _all_logits(smollm2_dequant, ids)
+    batched = _all_logits(smollm2_int4, ids, chunk=16)  # prefill chunks: the bf16 copies
+    int4 = _all_logits(smollm2_int4, ids, chunk=1)  # one decode row: torch's int4 kernel
+    assert not torch.equal(batched, int4)
+    agree, top_err = _agreement(batched, exact)
+    _, int4_err = _agreement(int4, exact)
+    assert agree >= 0.98, f"argmax agrees on only {agree:.1%} of positions"
+    assert top_err < 1.5 * int4_err, (top_err, int4_err)
+    # two bytes per weight of every projection and of the (tied) head, counted on the
+    # dequantized model's dense matrices
+    dense = smollm2_dequant.model
+    params = sum(lin.weight.numel() for layer in dense.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert smollm2_int4.batched_weights_bytes == 2 * (params + dense.embedding.numel())
 
 
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
@@ -95,3 +115,60 @@ def test_chat_template_and_stop(smollm2_int4):
         assert completion.token_ids[-1] in tok.eos_token_ids
     else:
         assert completion.new_tokens == 64
+
+
+def test_batched_weights_policy(smollm2_path, monkeypatch):
+    from engine.model import loader
+
+    def kept(**kwargs) -> int:
+        loaded = loader.load_model(smollm2_path, load_tokenizer=False, **kwargs)
+        has = loaded.model.has_batched_weights
+        assert has == (loaded.batched_weights_bytes > 0)
+        return loaded.batched_weights_bytes
+
+    assert kept(batched_weights="off") == 0
+    monkeypatch.setattr(loader, "packed_bf16_available", lambda: False)
+    assert kept() == 0  # auto: not on a CPU without AMX bf16
+    monkeypatch.setattr(loader, "packed_bf16_available", lambda: True)
+    monkeypatch.setattr(loader, "BATCHED_AUTO_MAX_BYTES", 1 << 20)
+    assert kept() == 0  # auto: not when the copies would cost more than the cap
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: False)
+    with pytest.raises(loader.ModelLoadError, match="'auto' or 'off'"):
+        kept(batched_weights="on")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        kept(batched_weights="always")
+
+
+def test_weight_estimate_before_download_matches_the_loaded_model(smollm2_path, smollm2_int4):
+    """The model manager's fit label counts what loading keeps, bf16 batch copies included."""
+    from engine.hub.gguf_info import summary_from_file
+
+    estimate = summary_from_file(smollm2_path).weight_bytes
+    assert abs(estimate - smollm2_int4.weight_bytes) < 0.05 * smollm2_int4.weight_bytes
+
+
+def test_forward_picks_bf16_copies_for_prefill_and_big_decode_batches(smollm2_int4, monkeypatch):
+    """Prefill at any length and decode from BATCHED_FROM_ROWS sequences read the bf16
+    copies; smaller decode batches read the int4 weights (faster there)."""
+    from engine.cache.kv_cache import StepBatch
+    from engine.model import transformer
+    from kernels.bf16 import BATCHED_FROM_ROWS
+
+    if not smollm2_int4.batched_weights_bytes:
+        pytest.skip("no bf16 batch copies: this CPU has no AMX bf16 (kernels/bf16.py)")
+    calls = []
+    real = transformer.bf16_linear
+    monkeypatch.setattr(transformer, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    cache = KVCache.for_model(smollm2_int4, CacheSettings(page_size=16, token_budget=16 * 16))
+
+    def forward(sequences: int, new_tokens: int) -> int:
+        calls.clear()
+        seqs = [([i], 16 - new_tokens, new_tokens) for i in range(sequences)]
+        batch = StepBatch.build(seqs, 16)
+        tokens = torch.arange(sequences * new_tokens) % 1000 + 100
+        smollm2_int4.model.forward(tokens, batch, cache)
+        return len(calls)
+
+    assert forward(1, 3) > 0  # a 3-token prefill chunk
+    assert forward(BATCHED_FROM_ROWS - 1, 1) == 0
+    assert forward(BATCHED_FROM_ROWS, 1) > 0

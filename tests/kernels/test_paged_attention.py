@@ -360,8 +360,10 @@ def test_decode_path_matches_reference(page_size, fmts, window, key_mean):
 )
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("key_mean", [0.0, 3.0], ids=["no_offset", "offset"])
-def test_numba_decode_matches_reference(page_size, fmts, window, key_mean):
-    case = make_case(DECODE, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1], key_mean=key_mean)
+# five sequences: a task per sequence (all its KV heads); one: a task per KV head
+@pytest.mark.parametrize("shapes", [DECODE, [(300, 1)]], ids=["batch5", "batch1"])
+def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shapes):
+    case = make_case(shapes, page_size, 9, 3, fmt_k=fmts[0], fmt_v=fmts[1], key_mean=key_mean)
     ref = case.paged(sliding_window=window)
     assert _max_err(case.paged(paged_decode_numba, window), ref) < EXACT
 
