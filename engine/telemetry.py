@@ -41,18 +41,32 @@ class CacheStats:
 
 
 def cache_stats(snapshot: CacheSnapshot, page_size: int) -> CacheStats:
-    referenced = snapshot.state == PageState.REFERENCED
-    n_ref = int(np.count_nonzero(referenced))
-    tokens = int(snapshot.fill[referenced].sum())
-    shared = int(np.count_nonzero(snapshot.ref_count[referenced] > 1))
     host = snapshot.host
-    queried = snapshot.counters.get("prefix_query_tokens", 0)
-    hits = snapshot.counters.get("prefix_hit_tokens", 0)
+    pages_host = 0 if host is None else int(np.count_nonzero(host.state == PageState.HOST))
+    return page_stats(snapshot.state, snapshot.ref_count, snapshot.fill, pages_host, snapshot.counters, page_size)
+
+
+def page_stats(
+    state: np.ndarray,
+    ref_count: np.ndarray,
+    fill: np.ndarray,
+    pages_host: int,
+    counters: dict[str, int],
+    page_size: int,
+) -> CacheStats:
+    """The figures from per-page arrays (a snapshot's, or the page table's own, read in
+    place by `PageTable.stats` at every step)."""
+    referenced = state == PageState.REFERENCED
+    n_ref = int(np.count_nonzero(referenced))
+    tokens = int(fill[referenced].sum())
+    shared = int(np.count_nonzero(ref_count[referenced] > 1))
+    queried = counters.get("prefix_query_tokens", 0)
+    hits = counters.get("prefix_hit_tokens", 0)
     return CacheStats(
-        pages_free=int(np.count_nonzero(snapshot.state == PageState.FREE)),
+        pages_free=int(np.count_nonzero(state == PageState.FREE)),
         pages_referenced=n_ref,
-        pages_cached=int(np.count_nonzero(snapshot.state == PageState.CACHED)),
-        pages_host=0 if host is None else int(np.count_nonzero(host.state == PageState.HOST)),
+        pages_cached=int(np.count_nonzero(state == PageState.CACHED)),
+        pages_host=pages_host,
         tokens_stored=tokens,
         waste=1.0 - tokens / (n_ref * page_size) if n_ref else 0.0,
         sharing=shared / n_ref if n_ref else 0.0,

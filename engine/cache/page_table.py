@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from engine.cache.page import (
     new_placeholder_hash,
 )
 from engine.cache.storage import PagedKVStorage
+
+if TYPE_CHECKING:
+    from engine.telemetry import CacheStats
 
 
 @dataclass
@@ -694,6 +698,14 @@ class PageTable:
             host=self.host_tier.snapshot() if self.host_tier is not None else None,
             counters=asdict(self.counters),
         )
+
+    def stats(self) -> CacheStats:
+        """The pool's figures now, read in place: what the generator records every step,
+        without the copies a `snapshot` makes for other threads."""
+        from engine.telemetry import page_stats  # telemetry imports this package
+
+        host = len(self.host_tier.entries) if self.host_tier is not None else 0
+        return page_stats(self._m_state, self._m_ref, self._m_fill, host, asdict(self.counters), self.page_size)
 
     def validate(self) -> None:
         """Check every invariant of §1; AssertionError with the reason otherwise."""

@@ -36,7 +36,7 @@ from engine.generator.job import (
 from engine.generator.sampler import Sampler, make_generator, process_logits
 from engine.generator.stops import StopHandler, StopReason
 from engine.model.loader import LoadedModel
-from engine.telemetry import StepRecord, Telemetry, cache_stats
+from engine.telemetry import StepRecord, Telemetry
 
 
 @dataclass(frozen=True)
@@ -675,7 +675,7 @@ class Generator:
         job.peak_pages = max(job.peak_pages, len(job.held_pages()))
 
     def _record(self, prefilled: int, decoded: int) -> None:
-        stats = cache_stats(self.pages.snapshot(), self.page_size)
+        stats = self.pages.stats()
         self.telemetry.record(
             # one token per decoded sequence: the batch size is the token count
             StepRecord.of(self.clock(), stats, prefilled, decoded, decoded, len(self.pending))
