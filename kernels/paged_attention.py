@@ -4,14 +4,14 @@ All entry points share one calling convention:
 
 * ``q [total_q, n_heads, head_dim]``: the new tokens of all sequences, concatenated in
   batch order; sequence ``b`` owns ``q_lens[b]`` rows.
-* ``k_store`` / ``v_store``: one layer's page stores (:mod:`kernels.kvquant` layout) in
-  formats ``fmt_k`` / ``fmt_v``; the new tokens' K/V are already written.
+* ``kv`` (:class:`LayerKV`): one layer's K and V page stores (:mod:`kernels.kvquant`
+  layout), their formats and the key offset; the new tokens' K/V are already written.
 * ``block_tables [B, max_pages]``: physical page of each logical page, ``-1`` padding.
 * ``seq_lens [B]``: context length including the new tokens, which are its last
   ``q_lens[b]`` positions.  Attention is causal within the new chunk and full over the
   cached prefix; with ``sliding_window`` a query at position ``i`` sees keys ``j`` with
   ``i - j < sliding_window``.  GQA: ``n_heads`` is a multiple of ``kv_heads``.
-* ``k_offset`` (optional, :class:`~kernels.kvquant.KeyOffset`): the keys are stored as
+* ``kv.k_offset`` (optional, :class:`~kernels.kvquant.KeyOffset`): the keys are stored as
   ``k - R(j) mu``; every path attends to the full key ``stored + R(j) mu``, exactly.
 
 :func:`paged_attention` gathers pages and calls ``scaled_dot_product_attention``; it is the
@@ -51,6 +51,7 @@ and read one more fp16 per group: not re-measured.)
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ from kernels.kvquant import KeyOffset, KVFormat, decode, dequantize_pages, rotat
 
 __all__ = [
     "HAS_NUMBA",
+    "LayerKV",
     "numba_supported",
     "paged_attention",
     "paged_attention_dispatch",
@@ -80,10 +82,11 @@ def _check_args(q, block_tables, seq_lens, q_lens) -> None:
         raise ValueError("need 0 <= q_lens <= seq_lens")
 
 
-def _check_offset(k_offset: KeyOffset | None, q: torch.Tensor, k_store, seq_lens) -> None:
+def _check_offset(kv: LayerKV, q: torch.Tensor, seq_lens) -> None:
+    k_offset = kv.k_offset
     if k_offset is None:
         return
-    kv_heads, head_dim = next(iter(k_store.values())).shape[2], q.shape[2]
+    kv_heads, head_dim = kv.kv_heads, q.shape[2]
     if tuple(k_offset.mean.shape) != (kv_heads, head_dim) or k_offset.table.shape[1] != head_dim:
         raise ValueError(
             f"key offset shapes {tuple(k_offset.mean.shape)} / {tuple(k_offset.table.shape)} "
@@ -96,8 +99,25 @@ def _check_offset(k_offset: KeyOffset | None, q: torch.Tensor, k_store, seq_lens
         )
 
 
-def _page_size(store: dict[str, torch.Tensor]) -> int:
-    return next(iter(store.values())).shape[1]
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's pages as attention reads them: the K and V stores, their formats and,
+    for a K cache stored relative to the calibrated key mean, the key offset. The cache
+    builds one per layer and hands it to every attention path."""
+
+    k: dict[str, torch.Tensor]
+    v: dict[str, torch.Tensor]
+    fmt_k: KVFormat
+    fmt_v: KVFormat
+    k_offset: KeyOffset | None = None
+
+    @property
+    def page_size(self) -> int:
+        return next(iter(self.k.values())).shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return next(iter(self.k.values())).shape[2]
 
 
 def _gather_context(
@@ -111,28 +131,24 @@ def _gather_context(
 
 def _attend(
     q: torch.Tensor,
-    k_store,
-    v_store,
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: list[int],
     q_lens: list[int],
     scale: float,
     sliding_window: int | None,
-    k_offset: KeyOffset | None,
 ) -> torch.Tensor:
     """Attention of a few sequences padded to a common length: q ``[n, max_q, n_heads, d]``."""
     device = q.device
     context = max(seq_lens)
-    pages = -(-context // _page_size(k_store))
+    pages = -(-context // kv.page_size)
     tables = block_tables[:, :pages].to(device=device, dtype=torch.long)
-    k = _gather_context(fmt_k, k_store, tables, context)
-    if k_offset is not None:
+    k = _gather_context(kv.fmt_k, kv.k, tables, context)
+    if kv.k_offset is not None:
         # the keys as the model computed them: stored residual plus R(j) mu at position j
-        k = k + k_offset.at(torch.arange(context)).to(device)
+        k = k + kv.k_offset.at(torch.arange(context)).to(device)
     k = k.transpose(1, 2)
-    v = _gather_context(fmt_v, v_store, tables, context).transpose(1, 2)
+    v = _gather_context(kv.fmt_v, kv.v, tables, context).transpose(1, 2)
 
     lens = torch.tensor(seq_lens, device=device)[:, None, None]
     qlens = torch.tensor(q_lens, device=device)[:, None, None]
@@ -156,16 +172,12 @@ def _attend(
 
 def paged_attention(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Reference paged attention: gather (and dequantize) pages, then SDPA.
 
@@ -174,7 +186,7 @@ def paged_attention(
     chunk length.  Returns ``[total_q, n_heads, head_dim]`` in ``q.dtype``.
     """
     _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(k_offset, q, k_store, seq_lens)
+    _check_offset(kv, q, seq_lens)
     seq_list = seq_lens.tolist()
     q_list = q_lens.tolist()
     starts = [0]
@@ -190,16 +202,12 @@ def paged_attention(
         index = first + offset.minimum(count - 1)  # padding rows repeat the last row
         res = _attend(
             q[index],
-            k_store,
-            v_store,
-            fmt_k,
-            fmt_v,
+            kv,
             block_tables[batch],
             [seq_list[b] for b in batch],
             [q_list[b] for b in batch],
             scale,
             sliding_window,
-            k_offset,
         )
         valid = offset < count
         out[index[valid]] = res[valid]
@@ -231,16 +239,12 @@ def _gather_tokens(fmt: KVFormat, store: dict[str, torch.Tensor], index: torch.T
 
 def paged_decode(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Decode step (every ``q_lens[b] == 1``) without SDPA or whole-page copies.
 
@@ -253,19 +257,19 @@ def paged_decode(
     additive score bias ``z . t_j`` (:meth:`~kernels.kvquant.KeyOffset.query_terms`).
     """
     _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(k_offset, q, k_store, seq_lens)
+    _check_offset(kv, q, seq_lens)
     if bool((q_lens != 1).any()):
         raise ValueError("paged_decode needs q_lens == 1 for every sequence")
     batch, n_heads, head_dim = q.shape
     context = int(seq_lens.max())
-    index = _token_index(block_tables, context, _page_size(k_store))
-    k = _gather_tokens(fmt_k, k_store, index)  # [B, T, kvh, d]
-    v = _gather_tokens(fmt_v, v_store, index)
+    index = _token_index(block_tables, context, kv.page_size)
+    k = _gather_tokens(kv.fmt_k, kv.k, index)  # [B, T, kvh, d]
+    v = _gather_tokens(kv.fmt_v, kv.v, index)
     kv_heads = k.shape[2]
     group = n_heads // kv_heads
 
     qf = q.float()
-    if fmt_k.bits is not None:
+    if kv.fmt_k.bits is not None:
         qf = rotate(qf)
     # one query per sequence: the query heads sharing a KV head become that head's rows
     qg = qf.reshape(batch, kv_heads, group, head_dim)
@@ -275,16 +279,16 @@ def paged_decode(
     if sliding_window is not None:
         allowed &= lens - 1 - t < sliding_window
     mask = allowed[:, None, None, :]
-    if k_offset is not None:
+    if kv.k_offset is not None:
         # SDPA adds a float mask to the scaled scores: the bias is scale * q . R(j) mu
-        z = k_offset.query_terms(q).reshape(batch, kv_heads, group, head_dim)
-        bias = (z @ k_offset.table[:context].to(q.device).T) * scale
+        z = kv.k_offset.query_terms(q).reshape(batch, kv_heads, group, head_dim)
+        bias = (z @ kv.k_offset.table[:context].to(q.device).T) * scale
         mask = bias.masked_fill(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     out = out.reshape(batch, n_heads, head_dim)
-    if fmt_v.bits is not None:
+    if kv.fmt_v.bits is not None:
         out = rotate(out)
     return out.to(q.dtype)
 
@@ -463,37 +467,34 @@ def numba_supported(q: torch.Tensor, fmt_k: KVFormat, fmt_v: KVFormat) -> bool:
 
 def paged_decode_numba(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Decode step (every ``q_lens[b] == 1``) by a numba kernel that reads K/V pages in place.
 
-    One task per (sequence, KV head): scores of the query heads sharing that KV head over a
-    whole page, one online-softmax rescale per page, quantized rows decoded in the rotated
+    One task per sequence (all its KV heads) when the batch fills the threads, else per
+    (sequence, KV head): scores of the query heads sharing a KV head over a whole page,
+    one online-softmax rescale per page, quantized rows decoded in the rotated
     domain on the fly.  CPU tensors with fp32 or quantized pages only (see
     :func:`numba_supported`).
     """
     _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(k_offset, q, k_store, seq_lens)
+    _check_offset(kv, q, seq_lens)
     if bool((q_lens != 1).any()):
         raise ValueError("paged_decode_numba needs q_lens == 1 for every sequence")
-    if not numba_supported(q, fmt_k, fmt_v):
+    if not numba_supported(q, kv.fmt_k, kv.fmt_v):
         raise ValueError("paged_decode_numba needs numba, CPU tensors and fp32 or quantized pages")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError("sliding_window must be at least 1")
     return decode_numba_unchecked(
-        q, k_store, v_store, fmt_k, fmt_v,
+        q, kv,
         block_tables.to(torch.int64).contiguous().numpy(),
         seq_lens.to(torch.int64).contiguous().numpy(),
-        scale, sliding_window, k_offset,
+        scale, sliding_window,
     )  # fmt: skip
 
 
@@ -507,22 +508,19 @@ def _heads_per_task(batch: int, kv_heads: int) -> int:
 
 def decode_numba_unchecked(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_numba` without its argument checks, on int64 numpy block tables
     and lengths: for callers that validated one step's batch once and run it through
     every layer (the checks cost more than the kernel on short contexts)."""
-    kd, kc, ks, kz, kasym, kbits = _numba_store(fmt_k, k_store)
-    vd, vc, vs, vz, vasym, vbits = _numba_store(fmt_v, v_store)
-    kv_heads = next(iter(k_store.values())).shape[2]
+    kd, kc, ks, kz, kasym, kbits = _numba_store(kv.fmt_k, kv.k)
+    vd, vc, vs, vz, vasym, vbits = _numba_store(kv.fmt_v, kv.v)
+    kv_heads = kv.kv_heads
+    k_offset = kv.k_offset
     qf = rotate(q) if kbits else q.float()
     qf = (qf * scale).contiguous()
     if k_offset is None:
@@ -537,7 +535,7 @@ def decode_numba_unchecked(
         seq_lens,
         sliding_window or 0,
         q.shape[1] // kv_heads,
-        _page_size(k_store),
+        kv.page_size,
         kd, kc, ks, kz, kasym, kbits, vd, vc, vs, vz, vasym, vbits,
         zq, offset_table, k_offset is not None,
         _HALF_TABLE,
@@ -551,16 +549,12 @@ def decode_numba_unchecked(
 
 def paged_attention_dispatch(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Pick the fastest path that handles this call.
 
@@ -569,18 +563,18 @@ def paged_attention_dispatch(
     and the pages are fp32 or quantized) or else :func:`paged_decode`; anything with a
     prefill chunk goes to the SDPA reference.
     """
-    args = (q, k_store, v_store, fmt_k, fmt_v, block_tables, seq_lens, q_lens, scale)
+    args = (q, kv, block_tables, seq_lens, q_lens, scale, sliding_window)
     if q.is_cuda:
         try:
             from kernels.triton_paged_attention import triton_paged_attention
         except ImportError:  # no triton: the reference runs on CUDA tensors too
-            return paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
-        return triton_paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
+            return paged_attention(*args)
+        return triton_paged_attention(*args)
     if q.shape[0] == q_lens.shape[0] and bool((q_lens == 1).all()):
-        if numba_supported(q, fmt_k, fmt_v):
-            return paged_decode_numba(*args, sliding_window=sliding_window, k_offset=k_offset)
-        return paged_decode(*args, sliding_window=sliding_window, k_offset=k_offset)
-    return paged_attention(*args, sliding_window=sliding_window, k_offset=k_offset)
+        if numba_supported(q, kv.fmt_k, kv.fmt_v):
+            return paged_decode_numba(*args)
+        return paged_decode(*args)
+    return paged_attention(*args)
 
 
 def warm_up() -> bool:
@@ -593,5 +587,5 @@ def warm_up() -> bool:
     store = {"data": torch.zeros(1, 16, 1, 32)}
     q = torch.zeros(1, 1, 32)
     tables, lens = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
-    decode_numba_unchecked(q, store, store, fmt, fmt, tables, lens, 1.0)
+    decode_numba_unchecked(q, LayerKV(store, store, fmt, fmt), tables, lens, 1.0)
     return True

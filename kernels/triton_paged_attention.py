@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kvquant import GROUP_SIZE, KeyOffset, KVFormat, rotate
+from kernels.kvquant import GROUP_SIZE, KVFormat, rotate
+from kernels.paged_attention import LayerKV
 
 __all__ = ["INTERPRETED", "triton_paged_attention"]
 
@@ -255,22 +256,19 @@ def _work_items(q_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Te
 
 def triton_paged_attention(
     q: torch.Tensor,
-    k_store: dict[str, torch.Tensor],
-    v_store: dict[str, torch.Tensor],
-    fmt_k: KVFormat,
-    fmt_v: KVFormat,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    k_offset: KeyOffset | None = None,
 ) -> torch.Tensor:
     """Paged attention in one Triton launch; see the module docstring."""
     total_q, n_heads, head_dim = q.shape
     device = q.device
-    k_data, k_scales, k_zeros, ks, kt, k_bits, k_asym = _store_args(fmt_k, k_store, head_dim)
-    v_data, v_scales, v_zeros, vs, vt, v_bits, v_asym = _store_args(fmt_v, v_store, head_dim)
+    k_offset = kv.k_offset
+    k_data, k_scales, k_zeros, ks, kt, k_bits, k_asym = _store_args(kv.fmt_k, kv.k, head_dim)
+    v_data, v_scales, v_zeros, vs, vt, v_bits, v_asym = _store_args(kv.fmt_v, kv.v, head_dim)
     kv_heads = k_data.shape[2]
     page_size = k_data.shape[1]
     if n_heads % kv_heads:

@@ -13,6 +13,7 @@ the asymmetric min/max grid (``kv_formats``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from engine.cache.page_table import PageTable
 from engine.cache.storage import PagedKVStorage, kvformat_allocator
 from kernels.kvquant import KeyOffset, KVFormat, quantize_into, rope_table
 from kernels.paged_attention import (
+    LayerKV,
     decode_numba_unchecked,
     numba_supported,
     paged_attention_dispatch,
@@ -246,7 +248,10 @@ class KVCache:
             settings.v_bits or 32,
             self.calibration.digest if self.calibration is not None else "",
         )
-        self._offsets: list[KeyOffset] | None = None  # per layer, grown with the contexts
+        # what attention reads per layer; with a key offset, rebuilt when its tables grow
+        self._layers = [
+            LayerKV(self.storage.k[i], self.storage.v[i], self.fmt_k, self.fmt_v) for i in range(num_layers)
+        ]
         self._covered: StepBatch | None = None  # the last batch the offset tables cover
         self.pages = PageTable(
             self.storage.num_pages,
@@ -282,19 +287,20 @@ class KVCache:
     def nbytes(self) -> int:
         return self.storage.nbytes()
 
-    def _key_offset(self, layer: int, batch: StepBatch) -> KeyOffset | None:
-        """Layer ``layer``'s key offset, its table covering every position of ``batch``."""
-        if self.calibration is None:
-            return None
-        if batch is not self._covered:
+    def _layer_kv(self, layer: int, batch: StepBatch) -> LayerKV:
+        """Layer ``layer``'s pages for attention, the key offset's table (if any) covering
+        every position of ``batch``."""
+        if self.calibration is not None and batch is not self._covered:
             need = int(batch.host[1].max()) if batch.host is not None else int(batch.seq_lens.max())
-            have = 0 if self._offsets is None else self._offsets[0].table.shape[0]
+            offset = self._layers[0].k_offset
+            have = 0 if offset is None else offset.table.shape[0]
             if need > have:
                 # grown like the model's rope tables: doubling, so a long generation
                 # rebuilds them a logarithmic number of times
-                self._offsets = self._build_offsets(max(need, 2 * have, 256))
+                offsets = self._build_offsets(max(need, 2 * have, 256))
+                self._layers = [dataclasses.replace(kv, k_offset=o) for kv, o in zip(self._layers, offsets)]
             self._covered = batch
-        return self._offsets[layer]
+        return self._layers[layer]
 
     def _build_offsets(self, positions: int) -> list[KeyOffset]:
         tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inv_freq, table): one per rope
@@ -309,7 +315,7 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
         """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their slots."""
-        offset = self._key_offset(layer, batch)
+        offset = self._layer_kv(layer, batch).k_offset
         if offset is not None:
             k = k.float() - offset.at(batch.positions)
         quantize_into(self.fmt_k, self.storage.k[layer], batch.write_pages, batch.write_slots, k)
@@ -324,30 +330,10 @@ class KVCache:
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Attention of the new tokens' queries [T, heads, head_dim] over their contexts."""
-        offset = self._key_offset(layer, batch)
+        kv = self._layer_kv(layer, batch)
         if batch.host is not None and self.numba_decode:
             # A decode step, validated once by StepBatch.build for all layers.
-            return decode_numba_unchecked(
-                q,
-                self.storage.k[layer],
-                self.storage.v[layer],
-                self.fmt_k,
-                self.fmt_v,
-                *batch.host,
-                scale,
-                sliding_window,
-                offset,
-            )
+            return decode_numba_unchecked(q, kv, *batch.host, scale, sliding_window)
         return paged_attention_dispatch(
-            q,
-            self.storage.k[layer],
-            self.storage.v[layer],
-            self.fmt_k,
-            self.fmt_v,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.q_lens,
-            scale,
-            sliding_window,
-            offset,
+            q, kv, batch.block_tables, batch.seq_lens, batch.q_lens, scale, sliding_window
         )

@@ -23,6 +23,7 @@ from kernels.kvquant import (
 )
 from kernels.paged_attention import (
     HAS_NUMBA,
+    LayerKV,
     paged_attention,
     paged_attention_dispatch,
     paged_decode,
@@ -59,18 +60,15 @@ class Case:
     k_offset: KeyOffset | None = None  # keys stored as k - R(j) mu
 
     def paged(self, fn=paged_attention, sliding_window=None) -> torch.Tensor:
+        kv = LayerKV(self.k_store, self.v_store, self.fmt_k, self.fmt_v, self.k_offset)
         return fn(
             self.q,
-            self.k_store,
-            self.v_store,
-            self.fmt_k,
-            self.fmt_v,
+            kv,
             self.block_tables,
             self.seq_lens,
             self.q_lens,
             self.scale,
             sliding_window=sliding_window,
-            k_offset=self.k_offset,
         )
 
     def reference(self, sliding_window=None, keys=None, values=None) -> torch.Tensor:
