@@ -180,7 +180,8 @@ def _chat(args: argparse.Namespace) -> int:
     from engine.generator.sampler import SamplingSettings
     from engine.model.loader import load_model
 
-    loaded = load_model(_model_path(args.model))
+    # one conversation decodes one sequence: no batch would read bf16 batch copies
+    loaded = load_model(_model_path(args.model), batched_weights="off")
     if not loaded.tokenizer.has_chat_template:
         raise ValueError(
             f"{loaded.path.name} has no chat template: use `folio generate --raw` instead"
@@ -213,7 +214,11 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.generate import Completion, generate
     from engine.model.loader import DEFAULT_WEIGHT_MODE, load_model
 
-    loaded = load_model(_model_path(args.model), weight_mode=args.weights or DEFAULT_WEIGHT_MODE)
+    loaded = load_model(
+        _model_path(args.model),
+        weight_mode=args.weights or DEFAULT_WEIGHT_MODE,
+        batched_weights="off",  # one sequence: no batch would read bf16 batch copies
+    )
     tok = loaded.tokenizer
     if args.raw or not tok.has_chat_template:
         prompt_ids = tok.encode(args.prompt)
