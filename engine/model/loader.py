@@ -80,7 +80,14 @@ def _add_batched_weights(loaded: LoadedModel, mode: str, report: Progress) -> No
             "load with batched weights 'auto' or 'off'"
         )
     report(0.9, "bf16 copies for batched decode")
-    loaded.batched_weights_bytes = model.add_batched_weights()
+    try:
+        loaded.batched_weights_bytes = model.add_batched_weights()
+    except RuntimeError as exc:  # oneDNN refused to pack: run without the copies
+        model.drop_batched_weights()
+        if mode == "on":
+            raise ModelLoadError(
+                f"could not build bf16 batch copies ({exc}); load with batched weights 'auto' or 'off'"
+            ) from exc
 
 
 def load_model(

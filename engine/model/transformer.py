@@ -125,11 +125,6 @@ class Concat:
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
 
-    def add_batched(self) -> int:
-        return sum(p.add_batched() for p in self.parts)
-
-    def batched_bytes(self) -> int:
-        return sum(p.batched_bytes() for p in self.parts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -244,11 +239,15 @@ class Transformer:
         their calibrated mean."""
         return self.rope_local if self.layers[index].sliding else self.rope
 
-    def _batchable(self) -> list:
-        heads = [self.lm_head] if hasattr(self.lm_head, "add_batched") else []
-        return [
-            lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ] + heads
+    def _batchable(self) -> list[Linear | RescoredHead]:
+        """Every projection (Concat parts one by one) and the head: what may keep a copy."""
+        linears: list[Linear | RescoredHead] = []
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                linears.extend(lin.parts if isinstance(lin, Concat) else [lin])
+        if isinstance(self.lm_head, (Linear, RescoredHead)):
+            linears.append(self.lm_head)
+        return linears
 
     def batched_weights_bytes(self) -> int:
         """Bytes `add_batched_weights` would add (0 when there is nothing to copy)."""
@@ -259,9 +258,13 @@ class Transformer:
         `BATCHED_FROM_ROWS` rows and more (kernels/bf16.py); returns the bytes added."""
         return sum(lin.add_batched() for lin in self._batchable())
 
+    def drop_batched_weights(self) -> None:
+        for lin in self._batchable():
+            lin.batched = None
+
     @property
     def has_batched_weights(self) -> bool:
-        return any(getattr(lin, "batched", None) is not None for lin in self._batchable())
+        return any(lin.batched is not None for lin in self._batchable())
 
     def weight_bytes(self) -> int:
         n = self.embedding.numel() * self.embedding.element_size()

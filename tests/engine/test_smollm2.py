@@ -139,6 +139,32 @@ def test_batched_weights_policy(smollm2_path, monkeypatch):
         kept(batched_weights="always")
 
 
+def test_a_refused_packing_loads_without_copies(smollm2_path, monkeypatch):
+    """oneDNN refusing to pack midway leaves no partial copies: auto loads without them,
+    on says what failed and what to do."""
+    from engine.model import loader, transformer
+
+    monkeypatch.setattr(loader, "packed_bf16_available", lambda: True)
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: True)
+    real = transformer.pack_bf16
+    packed = []
+
+    def fails_third_time(weight):
+        if len(packed) == 2:
+            raise RuntimeError("mkldnn: could not create a primitive")
+        packed.append(weight.shape)
+        return real(weight)
+
+    monkeypatch.setattr(transformer, "pack_bf16", fails_third_time)
+    loaded = loader.load_model(smollm2_path, load_tokenizer=False)
+    assert len(packed) == 2  # two copies were made before the failure, then dropped
+    assert loaded.batched_weights_bytes == 0 and not loaded.model.has_batched_weights
+    assert loaded.weight_bytes == loader.load_model(smollm2_path, load_tokenizer=False, batched_weights="off").weight_bytes
+    packed.clear()
+    with pytest.raises(loader.ModelLoadError, match="could not create a primitive.*'auto' or 'off'"):
+        loader.load_model(smollm2_path, load_tokenizer=False, batched_weights="on")
+
+
 def test_weight_estimate_before_download_matches_the_loaded_model(smollm2_path, smollm2_int4):
     """The model manager's fit label counts what loading keeps, bf16 batch copies included."""
     from engine.hub.gguf_info import summary_from_file
