@@ -19,7 +19,8 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from gui.palette import ChatColors, Palette, blend, palette_for
+from gui.palette import ChatColors, Palette, blend
+from gui.views.base import ChatColoredView
 
 _SWATCH = 12  # px, a page cell as the map draws it
 _GAP = 4  # swatch to word
@@ -51,7 +52,7 @@ def draw_swatch(p: QPainter, x: float, y: float, e: LegendEntry, pal: Palette) -
         p.fillRect(QRectF(x + 4, y + 4, 4, 4), QColor(pal.shared_mark))
 
 
-class LegendBar(QWidget):
+class LegendBar(ChatColoredView):
     """Swatches and words in up to two rows (wrapping when narrow); hover for what
     each means."""
 
@@ -61,9 +62,7 @@ class LegendBar(QWidget):
         palette: Palette | None = None,
         parent: QWidget | None = None,
     ):
-        super().__init__(parent)
-        self.chats = chats if chats is not None else ChatColors(parent=self)
-        self.palette_ = palette if palette is not None else palette_for()
+        super().__init__(chats, palette, parent)
         self._active: list[Any] = []
         self._entries: list[LegendEntry] = []
         self._hit: list[tuple[QRectF, str]] = []  # where each entry was drawn, for tooltips

@@ -34,7 +34,8 @@ from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import QToolTip, QWidget
 
 from engine.cache.page import PageState
-from gui.palette import STATE_NAMES, ChatColors, Palette, palette_for, rgba
+from gui.palette import STATE_NAMES, ChatColors, Palette, rgba
+from gui.views.base import ChatColoredView
 from gui.views.captions import fixed_caption, plot_with_caption
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ def _cell_offsets(rows: int, cols: int, cell_px: int) -> np.ndarray:
     return np.repeat(np.repeat(cell, cell_px, axis=0), cell_px, axis=1)
 
 
-class PageMapView(QWidget):
+class PageMapView(ChatColoredView):
     """Every physical page as a cell; see the module docstring for the encoding.
 
     Feed it with `set_snapshot`; it only reads the snapshot. Signals: `page_clicked`
@@ -292,9 +293,7 @@ class PageMapView(QWidget):
         palette: Palette | None = None,
         parent: QWidget | None = None,
     ):
-        super().__init__(parent)
-        self.chats = chats if chats is not None else ChatColors(parent=self)
-        self.palette_ = palette if palette is not None else palette_for()
+        super().__init__(chats, palette, parent)
         self.model = PageMapModel.empty()
         self._snapshot: EngineSnapshot | None = None
         self._tokenizer: Any = None

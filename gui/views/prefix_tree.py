@@ -36,7 +36,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine.cache.page import PageState
-from gui.palette import STATE_NAMES, ChatColors, Palette, palette_for
+from gui.palette import STATE_NAMES, ChatColors, Palette
+from gui.views.base import ChatColoredView
 from gui.views.captions import fixed_caption, plot_with_caption
 from gui.views.page_map import chat_key
 
@@ -83,7 +84,7 @@ class TreeNode:
         return self.ref_count > 1
 
 
-class PrefixTreeView(QWidget):
+class PrefixTreeView(ChatColoredView):
     """The prefix tree of the cache. Signal `node_clicked(list[int])`: the device pages
     of the clicked node's chain (its ancestors, itself and its continuations)."""
 
@@ -95,9 +96,7 @@ class PrefixTreeView(QWidget):
         palette: Palette | None = None,
         parent: QWidget | None = None,
     ):
-        super().__init__(parent)
-        self.chats = chats if chats is not None else ChatColors(parent=self)
-        self.palette_ = palette if palette is not None else palette_for()
+        super().__init__(chats, palette, parent)
         self._nodes: dict[NodeKey, TreeNode] = {}
         self._by_page: dict[int, NodeKey] = {}
         self._order = itertools.count()

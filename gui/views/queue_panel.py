@@ -26,7 +26,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from gui.palette import ChatColors, Palette, label_color_on, palette_for
+from gui.palette import ChatColors, Palette, label_color_on
+from gui.views.base import ChatColoredView
 from gui.views.page_map import chat_key
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def saved_seconds(cached_tokens: int, prefill_tok_s: float) -> float | None:
     return cached_tokens / prefill_tok_s
 
 
-class QueuePanel(QWidget):
+class QueuePanel(ChatColoredView):
     """A table of `snapshot.jobs` (active first, then pending in queue order) and a
     line that totals what the prefix cache saved for finished jobs."""
 
@@ -54,9 +55,7 @@ class QueuePanel(QWidget):
         palette: Palette | None = None,
         parent: QWidget | None = None,
     ):
-        super().__init__(parent)
-        self.chats = chats if chats is not None else ChatColors(parent=self)
-        self.palette_ = palette if palette is not None else palette_for()
+        super().__init__(chats, palette, parent)
         self.prefill_rate = 0.0  # tok/s the recent jobs prefilled at (0: none seen yet)
         self._prefills: deque[tuple[int, float]] = deque(maxlen=RATE_JOBS)
         self.finished_cached_tokens = 0
