@@ -257,15 +257,7 @@ class Generator:
         if job.started is None:
             job.started = self.clock()
             job.cached_tokens = seq.alloc.cached_tokens
-            events.append(
-                JobEvent(
-                    job.job_id,
-                    EventKind.STARTED,
-                    prefill_done=seq.stored,
-                    prefill_total=len(seq.tokens),
-                    tag=job.tag,
-                )
-            )
+            events.append(_prefill_event(job, seq, EventKind.STARTED))
 
     # -- prefill (§7 step 2) ----------------------------------------------------------
 
@@ -292,15 +284,7 @@ class Generator:
             done += end - start
             if self._next_chunk(job, seq) is None:
                 job.state = JobState.DECODE
-            events.append(
-                JobEvent(
-                    job.job_id,
-                    EventKind.PREFILL,
-                    prefill_done=seq.stored,
-                    prefill_total=len(seq.tokens),
-                    tag=job.tag,
-                )
-            )
+            events.append(_prefill_event(job, seq, EventKind.PREFILL))
         return done
 
     def _next_chunk(self, job: Job, seq: Sequence) -> tuple[int, int] | None:
@@ -700,6 +684,11 @@ class _NoText:
 
     def decode(self, ids) -> str:
         return ""
+
+
+def _prefill_event(job: Job, seq: Sequence, kind: EventKind) -> JobEvent:
+    """A started or prefill-progress event: how much of the prompt is in the cache."""
+    return JobEvent(job.job_id, kind, prefill_done=seq.stored, prefill_total=len(seq.tokens), tag=job.tag)
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
