@@ -53,7 +53,7 @@ def describe_model(loaded: LoadedModel) -> ModelInfo:
     fmt = loaded.format.upper() if loaded.format == "gguf" else loaded.format
     fmt = f"{fmt} {quant}" if quant else fmt
     fmt += f" · {loaded.weight_mode} weights"
-    if getattr(loaded, "batched_weights_bytes", 0):
+    if loaded.batched_weights_bytes:
         fmt += " + bf16 for batches"  # kernels/bf16.py
     return ModelInfo(
         name=loaded.name,

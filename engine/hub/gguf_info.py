@@ -314,14 +314,8 @@ def estimate_weight_bytes(
         if int4 or tied_head or name == "output.weight":
             batchable += n
     if weight_mode == "int4":
-        total += _batched_copy_bytes(batchable)
+        from engine.model.loader import auto_keeps_batched_copies
+
+        copies = 2 * batchable  # bf16
+        total += copies if auto_keeps_batched_copies(copies) else 0
     return int(total)
-
-
-def _batched_copy_bytes(values: int) -> int:
-    """Bytes of the bf16 batch copies the loader's "auto" would keep for ``values``."""
-    from engine.model.loader import BATCHED_AUTO_MAX_BYTES
-    from kernels.bf16 import packed_bf16_available
-
-    copies = 2 * values
-    return copies if copies <= BATCHED_AUTO_MAX_BYTES and packed_bf16_available() else 0

@@ -55,7 +55,11 @@ class LoadedModel:
     # engine.cache.kv_cache.KeyCalibration: the pre-RoPE key means of a quantized K cache,
     # computed by the first such cache (KVCache.for_model) and shared by the later ones
     key_calibration: object | None = None
-    batched_weights_bytes: int = 0  # bf16 copies for batched decode (kernels/bf16.py)
+
+    @property
+    def batched_weights_bytes(self) -> int:
+        """The bf16 copies kept for batched decode (kernels/bf16.py); 0 without them."""
+        return self.model.batched_weights_bytes()
 
     @property
     def weight_bytes(self) -> int:
@@ -66,13 +70,19 @@ class LoadedModel:
         return self.path.stem if self.format == "gguf" else self.path.name
 
 
+def auto_keeps_batched_copies(copy_bytes: int) -> bool:
+    """Whether "auto" keeps bf16 batch copies of this size: on a CPU where they were
+    measured to win, and at most BATCHED_AUTO_MAX_BYTES."""
+    return 0 < copy_bytes <= BATCHED_AUTO_MAX_BYTES and packed_bf16_available()
+
+
 def _add_batched_weights(loaded: LoadedModel, mode: str, report: Progress) -> None:
     """Keep bf16 copies of the int4 weights for batched decode, as `mode` says."""
     model = loaded.model
-    need = model.batched_weights_bytes()
+    need = model.batched_weights_needed()
     if mode == "off" or need == 0:
         return
-    if mode == "auto" and not (packed_bf16_available() and need <= BATCHED_AUTO_MAX_BYTES):
+    if mode == "auto" and not auto_keeps_batched_copies(need):
         return
     if mode == "on" and not packed_bf16_supported():
         raise ModelLoadError(
@@ -81,7 +91,7 @@ def _add_batched_weights(loaded: LoadedModel, mode: str, report: Progress) -> No
         )
     report(0.9, "bf16 copies for batched decode")
     try:
-        loaded.batched_weights_bytes = model.add_batched_weights()
+        model.add_batched_weights()
     except RuntimeError as exc:  # oneDNN refused to pack: run without the copies
         model.drop_batched_weights()
         if mode == "on":

@@ -126,7 +126,6 @@ class Concat:
         return sum(p.nbytes() for p in self.parts)
 
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 (as transformers does), weight already offset for Gemma."""
     if x.dtype == torch.float32:
@@ -249,9 +248,13 @@ class Transformer:
             linears.append(self.lm_head)
         return linears
 
-    def batched_weights_bytes(self) -> int:
+    def batched_weights_needed(self) -> int:
         """Bytes `add_batched_weights` would add (0 when there is nothing to copy)."""
         return sum(lin.batched_bytes() for lin in self._batchable())
+
+    def batched_weights_bytes(self) -> int:
+        """Bytes of the bf16 copies kept now."""
+        return sum(lin.batched.nbytes() for lin in self._batchable() if lin.batched is not None)
 
     def add_batched_weights(self) -> int:
         """Keep bf16 copies of the int4 projections and head for batches of
