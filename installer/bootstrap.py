@@ -120,7 +120,7 @@ STAMP_NAME = "folio-install.json"
 LOG_NAME = "folio-install.log"
 RECIPE = 2  # bump when the install steps change so that existing venvs redo them
 MIN_PYTHON = (3, 11)
-APP_ID = "Folio.Folio"  # Windows AppUserModelID, also set by engine/platform_setup.py
+APP_ID = "Folio.Folio"  # Windows AppUserModelID, also set by folio/platform_setup.py
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 LOCK_FILE = CHECKOUT / "installer" / "requirements-cpu.lock"
@@ -1140,9 +1140,9 @@ def redirect_output(log_path: Path) -> None:
 
 
 def launch_command(venv: Path, args: list[str], windowed: bool) -> list[str]:
-    """The app through engine/platform_setup.py, which redirects output when there is
+    """The app through folio/platform_setup.py (`python -m folio`), which redirects output when there is
     no console and sets the Windows AppUserModelID before Qt starts."""
-    return [str(venv_python(venv, windowed)), "-m", "engine.platform_setup", *args]
+    return [str(venv_python(venv, windowed)), "-m", "folio", *args]
 
 
 def launch_app(layout: Layout, args: list[str], windowed: bool,

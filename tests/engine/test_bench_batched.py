@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from engine.cli import main
+from folio.main import main
 
 KEYS = {"PP", "TG", "B", "shared", "T_PP", "S_PP", "T_TG", "S_TG", "T", "S", "pages"}
 
 
 @pytest.fixture(autouse=True)
 def _default_model_is_smollm2(smollm2_path, monkeypatch):
-    monkeypatch.setattr("engine.cli._model_path", lambda arg: smollm2_path)
+    monkeypatch.setattr("engine.cli.main.model_path", lambda arg: smollm2_path)
 
 
 def test_batched_json_lines(capsys):

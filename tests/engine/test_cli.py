@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.cli import main
+from folio.main import main
 from engine.generate import generate
 
 pytestmark = pytest.mark.slow

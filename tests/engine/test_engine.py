@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine.cache.kv_cache import CacheSettings
-from engine.chat_cli import page_map_text, run_chat
+from engine.cli.chat import page_map_text, run_chat
 from engine.engine import Engine
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import EventKind, JobRequest
@@ -208,9 +208,9 @@ def test_page_map_text_counts_pages(engine):
 
 
 def test_folio_chat_command(smollm2_path, monkeypatch, capsys):
-    from engine.cli import main
+    from folio.main import main
 
-    monkeypatch.setattr("engine.cli._model_path", lambda arg: smollm2_path)
+    monkeypatch.setattr("engine.cli.main.model_path", lambda arg: smollm2_path)
     monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\n/stats\n/quit\n"))
     argv = ["chat", "--page-size", "16", "--cache-tokens", "1024", "--temperature", "0"]
     assert main(argv + ["--max-new-tokens", "8"]) == 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.cli import main
+from folio.main import main
 from engine.hub import download as dl
 from engine.hub import remote
 from engine.hub.download import (

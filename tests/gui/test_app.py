@@ -397,13 +397,13 @@ def test_no_display_says_so(monkeypatch, capsys):
 
 
 def test_folio_without_a_command_starts_the_app(monkeypatch):
-    import engine.cli
+    import folio.main
     import gui.app
 
     calls: list[list[str]] = []
     monkeypatch.setattr(gui.app, "main", lambda argv=None: calls.append(argv) or 0)
-    assert engine.cli.main([]) == 0
-    assert engine.cli.main(["app", "--smoke-test"]) == 0
+    assert folio.main.main([]) == 0
+    assert folio.main.main(["app", "--smoke-test"]) == 0
     assert calls == [[], ["--smoke-test"]]
 
 

@@ -151,7 +151,7 @@ def test_main_launch_starts_the_app_through_platform_setup(monkeypatch, tmp_path
     assert B.main(["--user", "--launch", "--smoke-test"]) == 0
     mode, args, cmd = started[0]
     assert mode == "user" and args == ["--smoke-test"]
-    assert cmd[1:] == ["-m", "engine.platform_setup", "--smoke-test"]
+    assert cmd[1:] == ["-m", "folio", "--smoke-test"]
     assert cmd[0] == str(B.venv_python(tmp_path / "venv"))
 
 

@@ -28,7 +28,7 @@ def test_entry_point_with_no_streams_logs_to_file(tmp_path):
     code = (
         "import sys\n"
         "assert sys.stdout is None and sys.stderr is None, 'streams exist'\n"
-        "from engine.platform_setup import main\n"
+        "from folio.platform_setup import main\n"
         "rc = main(['generate', '--help'])\n"
         "import tqdm\n"  # after the redirect, tqdm and print have somewhere to write
         "for _ in tqdm.tqdm(range(3), desc='tqdm-works'): pass\n"
@@ -46,10 +46,10 @@ def test_entry_point_with_no_streams_logs_to_file(tmp_path):
 def test_entry_point_logs_a_crash_instead_of_vanishing(tmp_path):
     env = dict(os.environ, FOLIO_LOG_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     code = (
-        "import sys, engine.cli\n"
+        "import sys, folio.main\n"
         "def boom(argv): raise RuntimeError('kaboom in the app')\n"
-        "engine.cli.main = boom\n"
-        "from engine.platform_setup import main\n"
+        "folio.main.main = boom\n"
+        "from folio.platform_setup import main\n"
         "sys.exit(main([]))\n"
     )
     proc = _run_without_streams(code, env)
@@ -59,7 +59,7 @@ def test_entry_point_logs_a_crash_instead_of_vanishing(tmp_path):
 
 
 def test_streams_that_exist_are_left_alone(tmp_path, monkeypatch):
-    from engine import platform_setup
+    from folio import platform_setup
 
     monkeypatch.setenv("FOLIO_LOG_DIR", str(tmp_path))
     assert platform_setup.redirect_missing_streams() is None
@@ -68,7 +68,7 @@ def test_streams_that_exist_are_left_alone(tmp_path, monkeypatch):
 
 
 def test_log_dir_matches_the_bootstrap_user_layout():
-    from engine import platform_setup
+    from folio import platform_setup
 
     sys.path.insert(0, str(ROOT / "installer"))
     try:

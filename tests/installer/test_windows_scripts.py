@@ -175,7 +175,7 @@ def test_inno_setup_sources_exist():
 
 
 def test_app_user_model_id_is_the_same_everywhere():
-    from engine import platform_setup
+    from folio import platform_setup
     from tests.installer.test_bootstrap import B
 
     assert platform_setup.APP_USER_MODEL_ID == B.APP_ID == "Folio.Folio"

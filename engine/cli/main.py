@@ -1,4 +1,9 @@
-"""`folio` on the command line: generate, models, bench."""
+"""`folio`'s command line: generate, chat, models, bench.
+
+The parser also knows `folio` alone and `folio app`, so that `folio --help` lists the
+desktop app; starting it is `folio/main.py`'s job, because the engine never imports the
+GUI. `parse_args` reads a command line, `run` carries out every command but the app.
+"""
 
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int)
     _add_cache_options(chat)
 
-    from engine.cli_models import add_models_parser
+    from engine.cli.models import add_models_parser
 
     add_models_parser(sub)
 
@@ -119,43 +124,44 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as a namespace; argparse exits with a usage message on bad input."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.top_smoke_test and args.command not in (None, "app"):
         parser.error("--smoke-test applies to the desktop app only")
-    if args.command in (None, "app"):
-        from gui.app import main as app_main
+    return args
 
-        smoke = args.top_smoke_test or getattr(args, "smoke_test", False)
-        return app_main(["--smoke-test"] if smoke else [])
+
+def starts_app(args: argparse.Namespace) -> bool:
+    """`folio` alone or `folio app`: the desktop app, which the engine does not start."""
+    return args.command in (None, "app")
+
+
+def app_argv(args: argparse.Namespace) -> list[str]:
+    """The desktop app's own arguments for a command line that starts it."""
+    return ["--smoke-test"] if args.top_smoke_test or getattr(args, "smoke_test", False) else []
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out one command (not the app); the process exit status."""
+    if starts_app(args):
+        raise ValueError("the desktop app is started by folio.main, not by the engine's command line")
     try:
+        if args.command in ("generate", "chat", "bench") and hasattr(args, "model"):
+            args.model = model_path(args.model)
         if args.command == "generate":
-            return _generate(args)
+            from engine.cli.generate import run_generate
+
+            return run_generate(args)
         if args.command == "models":
-            return _models(args)
+            from engine.cli.models import run_models
+
+            return run_models(args)
         if args.command == "chat":
             return _chat(args)
         if args.command == "bench":
-            if args.bench_command == "cache":
-                from engine.bench_cache import run_cache_bench
-
-                run_cache_bench(args)
-            elif args.bench_command in ("batched", "serve"):
-                from engine import bench_batched
-
-                if args.bench_command == "batched":
-                    bench_batched.run_batched_bench(args)
-                else:
-                    bench_batched.run_serve_bench(args)
-            elif args.bench_command == "kv-quant":
-                from engine.perplexity import run_kv_quant_bench
-
-                run_kv_quant_bench(args)
-            else:
-                from engine.bench import run_forward_bench
-
-                run_forward_bench(args)
+            _bench(args)
             return 0
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -164,6 +170,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"folio: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_USAGE
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.bench_command == "cache":
+        from engine.bench.cache import run_cache_bench
+
+        run_cache_bench(args)
+    elif args.bench_command == "batched":
+        from engine.bench.batched import run_batched_bench
+
+        run_batched_bench(args)
+    elif args.bench_command == "serve":
+        from engine.bench.batched import run_serve_bench
+
+        run_serve_bench(args)
+    elif args.bench_command == "kv-quant":
+        from engine.bench.kv_quant import run_kv_quant_bench
+
+        run_kv_quant_bench(args)
+    else:
+        from engine.bench.forward import run_forward_bench
+
+        run_forward_bench(args)
 
 
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -175,13 +204,13 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
 
 def _chat(args: argparse.Namespace) -> int:
     from engine.cache.kv_cache import CacheSettings
-    from engine.chat_cli import run_chat
+    from engine.cli.chat import run_chat
     from engine.engine import Engine
     from engine.generator.sampler import SamplingSettings
     from engine.model.loader import load_model
 
     # one conversation decodes one sequence: no batch would read bf16 batch copies
-    loaded = load_model(_model_path(args.model), batched_weights="off")
+    loaded = load_model(args.model, batched_weights="off")
     if not loaded.tokenizer.has_chat_template:
         raise ValueError(
             f"{loaded.path.name} has no chat template: use `folio generate --raw` instead"
@@ -202,62 +231,10 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_path(arg: Path | None) -> Path:
+def model_path(arg: Path | None) -> Path:
+    """The model a command names, else the default model (fetched on first use)."""
     if arg is not None:
         return arg
     from engine.model.fetch import ensure_default_model
 
     return ensure_default_model()
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from engine.generate import Completion, generate
-    from engine.model.loader import DEFAULT_WEIGHT_MODE, load_model
-
-    loaded = load_model(
-        _model_path(args.model),
-        weight_mode=args.weights or DEFAULT_WEIGHT_MODE,
-        batched_weights="off",  # one sequence: no batch would read bf16 batch copies
-    )
-    tok = loaded.tokenizer
-    if args.raw or not tok.has_chat_template:
-        prompt_ids = tok.encode(args.prompt)
-    else:
-        prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    completion = Completion()
-    stream = generate(
-        loaded,
-        prompt_ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        completion=completion,
-    )
-    if args.json:
-        for _ in stream:
-            pass
-        result = completion.as_dict()
-        result["load_seconds"] = round(loaded.load_seconds, 3)
-        result["model"] = str(loaded.path)
-        print(json.dumps(result, ensure_ascii=False))
-    else:
-        for delta in stream:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        if os.environ.get("FOLIO_VERBOSE"):
-            print(
-                json.dumps({k: v for k, v in completion.as_dict().items() if k != "text"}),
-                file=sys.stderr,
-            )
-    return 0
-
-
-def _models(args: argparse.Namespace) -> int:
-    from engine.cli_models import run_models
-
-    return run_models(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

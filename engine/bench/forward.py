@@ -92,9 +92,7 @@ def _transformers_case(path: Path) -> _Case:
 
 
 def run_forward_bench(args: Namespace) -> None:
-    from engine.cli import _model_path
-
-    path = _model_path(args.model)
+    path = args.model
     cases = [_folio_case(path, mode) for mode in WEIGHT_MODES if not (path.is_dir() and mode == "int4")]
     if not args.skip_transformers:
         cases.append(_transformers_case(path))

@@ -1,6 +1,6 @@
 """Process set-up for the desktop launchers, run before anything heavy is imported.
 
-The installer starts the app as ``python -m engine.platform_setup [ARGS]`` (``pythonw``
+The installer starts the app as ``python -m folio [ARGS]`` (``pythonw``
 on Windows), which
 
 - sends ``sys.stdout`` / ``sys.stderr`` to ``<logs>/folio.log`` when they are None,
@@ -11,14 +11,14 @@ on Windows), which
 - on Windows sets the process's AppUserModelID, so the taskbar groups Folio's
   windows under Folio's own icon (matching the Start-menu shortcut) instead of
   under Python's;
-- then runs ``folio`` (``engine.cli.main``) with ARGS; no ARGS starts the app.
+- then runs ``folio`` (``folio.main.main``) with ARGS; no ARGS starts the app.
 
 gui/app.py may call ``prepare_process()`` itself as its first step; calling it twice
 is harmless.  The Linux counterpart of the AppUserModelID is
 ``QGuiApplication.setDesktopFileName("folio")`` (matches ``folio.desktop``), which
 gui/app.py sets.
 
-Qt-free and standard library only, like the rest of ``engine``.
+Qt-free and standard library only until ``main`` hands over to ``folio.main``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def prepare_process() -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     prepare_process()
     argv = sys.argv[1:] if argv is None else argv
-    from engine.cli import main as cli_main  # only now: it may import transformers/tqdm
+    from folio.main import main as cli_main  # only now: it may import transformers/tqdm
 
     try:
         return cli_main(argv)

@@ -162,9 +162,7 @@ def transformers_case(hf_model, loaded: LoadedModel, pp: int, tg: int, b: int) -
 
 
 def run_batched_bench(args: argparse.Namespace) -> None:
-    from engine.cli import _model_path
-
-    loaded = load_model(_model_path(args.model), batched_weights=args.batched_weights)
+    loaded = load_model(args.model, batched_weights=args.batched_weights)
     # Side by side: batches of BATCHED_FROM_ROWS and more again without the bf16 copies
     plain = None
     if loaded.batched_weights_bytes and args.batched_weights == "auto":
@@ -411,9 +409,7 @@ def ttft_cached_prefix(loaded: LoadedModel, system_tokens: int) -> dict:
 
 
 def run_serve_bench(args: argparse.Namespace) -> None:
-    from engine.cli import _model_path
-
-    loaded = load_model(_model_path(args.model))
+    loaded = load_model(args.model)
     batched_case(loaded, 64, 4, 2, False)  # warm-up
     arrivals = _workload(loaded, args)
     results = []
