@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtGui import QGuiApplication
     from PySide6.QtWidgets import QApplication
 
+    from engine.paths import data_dir
     from gui.main_window import MainWindow
-    from gui.store import Store, data_dir
+    from gui.store import Store
 
     app = QApplication.instance() or QApplication(["folio"])
     QGuiApplication.setApplicationName("Folio")

@@ -13,12 +13,13 @@ nothing of Qt and is used from the UI thread only.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine import paths
 
 SCHEMA_VERSION = 1
 
@@ -46,16 +47,6 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id);
 """
-
-
-def data_dir() -> Path:
-    """`$FOLIO_DATA_DIR` if set (tests), else the platform's user data folder."""
-    env = os.environ.get("FOLIO_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("folio"))
 
 
 @dataclass
@@ -87,7 +78,7 @@ class Store:
 
     def __init__(self, path: str | Path | None = None):
         if path is None:
-            path = data_dir() / "chats.sqlite3"
+            path = paths.data_dir() / "chats.sqlite3"
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: autocommit, so a partial reply is on disk when the call

@@ -131,8 +131,7 @@ _LOCK_TARGET_RE = re.compile(r"^#\s*folio-lock-target:\s*(\S+)\s+torch=(\w+)", r
 _CREATE_NO_WINDOW = 0x08000000
 _popen_flags = 0
 
-# Loads engine/model/fetch.py by path (not via ``import engine``, whose package
-# may import torch) and asks whether the default model is present and verified.
+# Loads engine/model/fetch.py by path (importing only engine.paths, never torch) and asks whether the default model is present and verified.
 _CHECK_MODEL_SNIPPET = (
     "import importlib.util, sys\n"
     "spec = importlib.util.spec_from_file_location('_folio_fetch_check', sys.argv[1])\n"

@@ -8,8 +8,6 @@ GUI. `parse_args` reads a command line, `run` carries out every command but the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
+from engine import paths
 from engine.hub.errors import (
     DiskFullError,
     DownloadCancelled,
@@ -49,7 +50,6 @@ from engine.hub.errors import (
 )
 from engine.hub.remote import HubFile, ModelCandidate, RemoteFile, request_headers, resolve_file
 from engine.model.fetch import STAMP_SUFFIX
-from engine.model.fetch import models_dir as default_models_dir
 
 __all__ = [
     "CancelToken",
@@ -251,10 +251,6 @@ def _write_chunk(fh, data: bytes) -> None:
     fh.write(data)
 
 
-def _base(directory: Path | str | None) -> Path:
-    return Path(directory) if directory is not None else default_models_dir()
-
-
 def _free_bytes(path: Path) -> int | None:
     try:
         return shutil.disk_usage(path).free
@@ -351,7 +347,7 @@ def download_model(
     """
     if isinstance(request, ModelCandidate):
         request = DownloadRequest.from_candidate(request)
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     cancel = cancel or CancelToken()
     folder = request.folder(base)
 
@@ -605,7 +601,7 @@ def _verify_and_move(
 
 def pending_downloads(models_dir: Path | str | None = None) -> list[DownloadRequest]:
     """Downloads that were started and not finished (cancelled, failed, app closed)."""
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     out = []
     for path in sorted(base.glob(f"*/{REQUEST_PREFIX}*.json")):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -615,7 +611,7 @@ def pending_downloads(models_dir: Path | str | None = None) -> list[DownloadRequ
 
 def discard_partial(request: DownloadRequest, models_dir: Path | str | None = None) -> int:
     """Delete what an unfinished download left behind; returns the bytes freed."""
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     folder = request.folder(base)
     freed = 0
     for f in request.files:
@@ -661,7 +657,7 @@ class DownloadManager:
         retries: int = 5,
         progress_interval_s: float = 0.1,
     ):
-        self.models_dir = _base(models_dir)
+        self.models_dir = paths.models_dir(models_dir)
         self.endpoint = endpoint
         self.token = token
         self.retries = retries

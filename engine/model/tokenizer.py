@@ -51,11 +51,12 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
+from engine import paths
+
 __all__ = [
     "IncrementalDecoder",
     "Tokenizer",
     "TokenizerError",
-    "default_cache_dir",
     "read_gguf_tokenizer_metadata",
 ]
 
@@ -91,13 +92,6 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 class TokenizerError(ValueError):
     """The tokenizer cannot be built from the given file or folder."""
-
-
-def default_cache_dir() -> Path:
-    """``platformdirs.user_cache_dir("folio")/tokenizers``."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("folio")) / "tokenizers"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -798,14 +792,14 @@ class Tokenizer:
         """The tokenizer described by a GGUF file's metadata.
 
         ``metadata``: the file's already-parsed metadata (``{key: value}``), if the caller has it;
-        only read on a cache miss. ``cache_dir`` defaults to :func:`default_cache_dir`.
+        only read on a cache miss. ``cache_dir`` defaults to ``tokenizers`` in Folio's cache folder (``engine.paths``).
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
         entry = None
         if use_cache:
-            root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+            root = Path(cache_dir) if cache_dir is not None else paths.cache_dir() / "tokenizers"
             key = _file_cache_key(path)
             entry = root / f"{_safe_stem(path)}-{key}"
             cached = cls._load_cache_entry(entry, key, path)

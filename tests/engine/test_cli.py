@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from folio.main import main
 from engine.generate import generate
+from folio.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import paths
 from engine.model import fetch as F
 from engine.model.fetch import FetchError, ModelSource
 
@@ -260,11 +261,11 @@ def test_multipart_wrong_order_is_detected(multi):
 
 def test_models_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("FOLIO_MODELS_DIR", str(tmp_path / "m"))
-    assert F.models_dir() == tmp_path / "m"
+    assert paths.models_dir() == tmp_path / "m"
     assert F.model_path(F.DEFAULT_MODEL) == tmp_path / "m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.delenv("FOLIO_MODELS_DIR")
-    assert F.models_dir().name == "models"
-    assert "folio" in F.models_dir().parts
+    assert paths.models_dir().name == "models"
+    assert "folio" in paths.models_dir().parts
 
 
 def test_ensure_helpers_use_their_sources(monkeypatch, tmp_path):

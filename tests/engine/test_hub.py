@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from folio.main import main
 from engine.hub import download as dl
 from engine.hub import remote
 from engine.hub.download import (
@@ -53,6 +52,7 @@ from engine.hub.remote import (
     shape_from_summary,
 )
 from engine.hub.token import load_token, save_token
+from folio.main import main
 from tests.engine.hub_server import COMMIT, FakeHub
 
 GGUF_REPO = "folio-test/Tiny-GGUF"

@@ -14,6 +14,7 @@ import gguf
 import pytest
 
 import engine.model.tokenizer as tokmod
+from engine import paths
 from engine.model.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -438,7 +439,7 @@ def test_use_cache_false_and_metadata_argument(tmp_path, monkeypatch):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = tokmod.default_cache_dir()
+    path = paths.cache_dir() / "tokenizers"
     assert path.name == "tokenizers"
     assert path.parent.name == "folio"
 

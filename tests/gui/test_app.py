@@ -296,7 +296,8 @@ from PySide6.QtWidgets import QApplication
 app = QApplication([])
 from gui.main_window import MainWindow
 from gui.settings_dialog import EngineSettings
-from gui.store import Store, data_dir
+from engine.paths import data_dir
+from gui.store import Store
 folder = data_dir()
 settings = QSettings(str(folder / "folio.ini"), QSettings.Format.IniFormat)
 store = Store(folder / "chats.sqlite3")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from gui.store import Store, data_dir
+from engine.paths import data_dir
+from gui.store import Store
 
 
 def test_versions_and_transcripts(tmp_path):
