@@ -18,7 +18,7 @@ _EXPORTS = {
     "JobEvent": "engine.generator.job",
     "EventKind": "engine.generator.job",
     "SamplingSettings": "engine.generator.sampler",
-    "GeneratorSettings": "engine.generator.generator",
+    "GeneratorSettings": "engine.generator.settings",
     "CacheSettings": "engine.cache.kv_cache",
     "load_model": "engine.model.loader",
 }

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.cache.page_table import CacheSnapshot
+from engine.cache.snapshot import CacheSnapshot, CacheStats, cache_stats
 from engine.generator.generator import Generator, GeneratorSettings
 from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobResult, JobState
 from engine.generator.stops import StopReason
+from engine.model.calibration import calibration_for
 from engine.model.loader import LoadedModel
-from engine.telemetry import CacheStats, Telemetry, cache_stats
+from engine.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,10 @@ class Engine:
         snapshot_interval: float = 0.05,
     ):
         self.loaded = loaded
-        self.cache = KVCache.for_model(loaded, cache_settings or CacheSettings())
+        cache_settings = cache_settings or CacheSettings()
+        self.cache = KVCache.for_model(
+            loaded, cache_settings, calibration_for(loaded, cache_settings)
+        )
         self.telemetry = Telemetry(history=telemetry_history)
         self.generator = Generator(loaded, self.cache, settings, self.telemetry)
         self.snapshot_interval = snapshot_interval

@@ -1,10 +1,10 @@
 """Perplexity of a model over a text, through the paged cache in any cache format.
 
-The yardstick for KV-cache quantization (ENGINE_SPEC §6): the same text, the same
-weights, only the cache format changes. The default text is Python's own
-`pydoc_data.topics` (English prose about Python, shipped with every Python), so the
-figure is reproducible anywhere. (A quantized K cache calibrates its key means on the
-middle of the same text, far from the windows measured: engine/cache/kv_cache.py.)
+The yardstick for KV-cache quantization (docs/ENGINE.md §6): the same text, the same
+weights, only the cache format changes. The text measured is the reference text
+(engine/reference_text.py: Python's own `pydoc_data.topics`), so the figure is
+reproducible anywhere. (A quantized K cache calibrates its key means on the middle of the
+same text, far from the windows measured: engine/model/calibration.py.)
 """
 
 from __future__ import annotations
@@ -14,14 +14,9 @@ import math
 import torch
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.generate import SequenceRunner
+from engine.model.calibration import calibration_for
 from engine.model.loader import LoadedModel
-
-
-def reference_text() -> str:
-    import pydoc_data.topics as topics
-
-    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+from engine.model.runner import SequenceRunner
 
 
 def perplexity(
@@ -37,7 +32,7 @@ def perplexity(
     settings = CacheSettings(
         page_size=page_size, token_budget=len(ids) + page_size, k_bits=k_bits, v_bits=v_bits
     )
-    cache = KVCache.for_model(loaded, settings)
+    cache = KVCache.for_model(loaded, settings, calibration_for(loaded, settings))
     runner = SequenceRunner(loaded, cache, ids)
     nll, count = 0.0, 0
     for start in range(0, len(ids), chunk):

@@ -1,4 +1,5 @@
-"""Telemetry: cache figures from a snapshot, a per-step history and an event log.
+"""Telemetry: a per-step history (the generator's work and the cache's figures, which
+`engine.cache.snapshot` computes) and an event log.
 
 The generator calls ``Telemetry.record`` once per step from the engine thread; a UI
 thread reads series, rates and events at its own pace. Every read takes the lock
@@ -16,81 +17,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from engine.cache.page import PageState
-
-if TYPE_CHECKING:
-    from engine.cache.page_table import CacheSnapshot
+from engine.cache.snapshot import CacheStats
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """What the page pool holds at one moment (ENGINE_SPEC §8 for waste and sharing)."""
-
-    pages_free: int = 0
-    pages_referenced: int = 0
-    pages_cached: int = 0  # unreferenced with content: prompt-cache candidates
-    pages_host: int = 0  # entries of the host tier
-    tokens_stored: int = 0  # rows written in referenced pages
-    waste: float = 0.0  # 1 - tokens_stored / (pages_referenced * page_size)
-    sharing: float = 0.0  # pages with ref_count > 1 / pages_referenced
-    prefix_hit_rate: float = 0.0  # prefix_hit_tokens / prefix_query_tokens, cumulative
-
-
-def cache_stats(snapshot: CacheSnapshot, page_size: int) -> CacheStats:
-    host = snapshot.host
-    pages_host = 0 if host is None else int(np.count_nonzero(host.state == PageState.HOST))
-    return page_stats(snapshot.state, snapshot.ref_count, snapshot.fill, pages_host, snapshot.counters, page_size)
-
-
-def page_stats(
-    state: np.ndarray,
-    ref_count: np.ndarray,
-    fill: np.ndarray,
-    pages_host: int,
-    counters: dict[str, int],
-    page_size: int,
-) -> CacheStats:
-    """The figures from per-page arrays (a snapshot's, or the page table's own, read in
-    place by `PageTable.stats` at every step)."""
-    referenced = state == PageState.REFERENCED
-    n_ref = int(np.count_nonzero(referenced))
-    tokens = int(fill[referenced].sum())
-    shared = int(np.count_nonzero(ref_count[referenced] > 1))
-    queried = counters.get("prefix_query_tokens", 0)
-    hits = counters.get("prefix_hit_tokens", 0)
-    return CacheStats(
-        pages_free=int(np.count_nonzero(state == PageState.FREE)),
-        pages_referenced=n_ref,
-        pages_cached=int(np.count_nonzero(state == PageState.CACHED)),
-        pages_host=pages_host,
-        tokens_stored=tokens,
-        waste=1.0 - tokens / (n_ref * page_size) if n_ref else 0.0,
-        sharing=shared / n_ref if n_ref else 0.0,
-        prefix_hit_rate=hits / queried if queried else 0.0,
-    )
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One generator step: its work, the queue, and the cache after it."""
+@dataclass(frozen=True, kw_only=True)
+class StepRecord(CacheStats):
+    """One generator step: its work, the queue, and the cache's figures after it (the
+    fields it inherits from `CacheStats`)."""
 
     time: float  # monotonic seconds at the end of the step
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batch_size: int = 0
     queue_depth: int = 0
-    pages_free: int = 0
-    pages_referenced: int = 0
-    pages_cached: int = 0
-    pages_host: int = 0
-    tokens_stored: int = 0
-    waste: float = 0.0
-    sharing: float = 0.0
-    prefix_hit_rate: float = 0.0
 
     @classmethod
     def of(
@@ -102,7 +45,14 @@ class StepRecord:
         batch_size: int = 0,
         queue_depth: int = 0,
     ) -> StepRecord:
-        return cls(time, prefill_tokens, decode_tokens, batch_size, queue_depth, **asdict(cache))
+        return cls(
+            time=time,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+            batch_size=batch_size,
+            queue_depth=queue_depth,
+            **asdict(cache),
+        )
 
 
 _FIELDS = dataclass_fields(StepRecord)

@@ -27,6 +27,7 @@ from engine.engine import Engine, EngineSnapshot, JobHandle
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import JobEvent, JobRequest
 from engine.model.loader import LoadedModel
+from gui.worker import TaskRunner, error_text
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,13 @@ def warm_up_thread_pools() -> None:
 _warmed_up = False
 
 
+def _start_failure(exc: BaseException) -> str:
+    """Worker thread: log a failed load or rebuild with its traceback; the user gets
+    the words."""
+    log.error("engine start failed", exc_info=exc)
+    return error_text(exc)
+
+
 class EngineBridge(QObject):
     """Owns the engine; turns its events into signals and its snapshots into a tick."""
 
@@ -118,9 +126,8 @@ class EngineBridge(QObject):
     engine_ready = Signal(object)
     # (message) loading or rebuilding failed; the old engine (if any) keeps running
     engine_failed = Signal(str)
-    # internal: crosses from worker / engine threads to the UI thread
+    # internal: crosses from the engine thread to the UI thread
     _wake = Signal()
-    _worker_done = Signal(object, object)  # (callable to run on the UI thread, payload)
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -137,9 +144,11 @@ class EngineBridge(QObject):
         self._wake_lock = threading.Lock()
         self._wake_sent = False
         self._last_version = -1
-        self._busy = False  # a load or rebuild is running on a worker thread
+        # Loads and rebuilds, one at a time, off the UI thread.
+        self._worker = TaskRunner(
+            self, max_threads=1, describe_error=_start_failure, thread_name="folio-load"
+        )
         self._wake.connect(self._drain_events)
-        self._worker_done.connect(self._on_worker_done)
         self._timer = QTimer(self)
         self._timer.setInterval(SNAPSHOT_INTERVAL_MS)
         self._timer.timeout.connect(self.poll_snapshot)
@@ -152,7 +161,8 @@ class EngineBridge(QObject):
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        """A load or rebuild is running on the worker thread."""
+        return self._worker.busy
 
     @property
     def telemetry(self):
@@ -221,28 +231,17 @@ class EngineBridge(QObject):
         return engine
 
     def _run_worker(self, work: Callable[[], Any], then: Callable[[Any], Engine]) -> None:
-        if self._busy:
+        if self._worker.busy:
             self.engine_failed.emit("the engine is already loading; wait for it to finish")
             return
-        self._busy = True
+        self._worker.run(
+            "engine", lambda: then(work()), self._on_engine_started, self._on_engine_failed
+        )
 
-        def run() -> None:
-            try:
-                engine = then(work())
-            except Exception as exc:  # noqa: BLE001 - reported to the user, not raised
-                log.exception("engine start failed")
-                self._worker_done.emit(None, str(exc) or type(exc).__name__)
-                return
-            self._worker_done.emit(engine, None)
+    def _on_engine_failed(self, error: str) -> None:
+        self.engine_failed.emit(error or "loading failed")
 
-        threading.Thread(target=run, name="folio-load", daemon=True).start()
-
-    @Slot(object, object)
-    def _on_worker_done(self, engine: Engine | None, error: str | None) -> None:
-        self._busy = False
-        if engine is None:
-            self.engine_failed.emit(error or "loading failed")
-            return
+    def _on_engine_started(self, engine: Engine) -> None:
         self.engine = engine
         self.loaded = engine.loaded
         self.cache_settings = engine.cache.settings

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.engine import EngineSnapshot
+from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo
 from gui.chat.controller import ChatController
 from gui.chat.view import ChatView
@@ -69,14 +70,6 @@ def tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
 
 
 class ConversationList(QWidget):
@@ -123,7 +116,7 @@ class MainWindow(QMainWindow):
         self.controller = ChatController(store, self.bridge, self)
         self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
         self.error_dialog: QMessageBox | None = None
-        self.models_dialog: Any = None  # gui.models_dialog.ModelsDialog, built on first use
+        self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
         self.model_info: ModelInfo | None = None
         self._last_status = 0.0
         self._closing = False
@@ -285,11 +278,11 @@ class MainWindow(QMainWindow):
         if is_fetched():
             self.load_model(ensure_default_model())
             return
-        from gui.model_dialog import FetchDialog
+        from gui.first_run_dialog import FetchDialog
 
         self.fetch_dialog = FetchDialog(ensure_default_model, self)
-        self.fetch_dialog.worker.succeeded.connect(self.load_model)
-        self.fetch_dialog.worker.failed.connect(
+        self.fetch_dialog.succeeded.connect(self.load_model)
+        self.fetch_dialog.failed.connect(
             lambda msg: self.show_error("Could not get the default model", msg)
         )
         self.fetch_dialog.start()
@@ -323,16 +316,16 @@ class MainWindow(QMainWindow):
 
     def open_models(self) -> None:
         """The Models window: one instance for the app's life, so downloads outlive it."""
-        if self.models_dialog is None:
-            from gui.models_dialog import ModelsDialog
+        if self.model_manager is None:
+            from gui.model_manager import ModelManager
 
-            self.models_dialog = ModelsDialog(
+            self.model_manager = ModelManager(
                 self.bridge, lambda: self.engine_settings.cache_settings(), self
             )
-            self.models_dialog.load_requested.connect(self._load_from_models)
-        self.models_dialog.show()
-        self.models_dialog.raise_()
-        self.models_dialog.activateWindow()
+            self.model_manager.load_requested.connect(self._load_from_models)
+        self.model_manager.show()
+        self.model_manager.raise_()
+        self.model_manager.activateWindow()
 
     def _load_from_models(self, path: Path) -> None:
         self.controller.stop_all()
@@ -350,7 +343,8 @@ class MainWindow(QMainWindow):
         self.settings.setValue("model/last_path", str(info.path))
         self.model_label.setText(f"{info.name} · {info.format}")
         self.model_label.setToolTip(
-            f"{info.path}\n{info.architecture} · {human_bytes(info.weight_bytes)} of weights"
+            f"{info.path}\n{info.architecture} · "
+            f"{format_bytes(info.weight_bytes, binary=True)} of weights"
             f" · loaded in {info.load_seconds:.1f} s"
         )
         self.device_label.setText(info.device)
@@ -379,15 +373,15 @@ class MainWindow(QMainWindow):
         tokens = snapshot.num_pages * snapshot.page_size
         self.cache_label.setText(
             f"{snapshot.num_pages} pages × {snapshot.page_size} = {tokens:,} tokens"
-            f" · {human_bytes(snapshot.cache_bytes)} KV"
+            f" · {format_bytes(snapshot.cache_bytes, binary=True)} KV"
         )
         used = (stats.pages_referenced + stats.pages_cached) * page_bytes
-        text = f"{human_bytes(used)} KV in use"
+        text = f"{format_bytes(used, binary=True)} KV in use"
         if snapshot.host_bytes:
-            text += f" · host tier {human_bytes(snapshot.host_bytes)}"
+            text += f" · host tier {format_bytes(snapshot.host_bytes, binary=True)}"
         rss = _process_rss()
         if rss:
-            text += f" · process {human_bytes(rss)}"
+            text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
         running = sum(1 for j in snapshot.jobs if j.state != "pending")
         queued = len(snapshot.jobs) - running

@@ -12,7 +12,7 @@ given for the life of a `ChatColors`, so a chat never changes colour while you w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +175,6 @@ class ChatColors(QObject):
         self._colors = colors
         self._index: dict[Hashable, int] = {}
         self._names: dict[Hashable, str] = {}
-        self._label_fn: Callable[[Any], str] | None = None
 
     def index_of(self, tag: Any) -> int:
         """The colour slot of ``tag`` (assigning the next one on first sight)."""
@@ -198,23 +197,11 @@ class ChatColors(QObject):
         self._names[_key(tag)] = name
         self.changed.emit()
 
-    def set_label_function(self, fn: Callable[[Any], str] | None) -> None:
-        """Names chats on demand (the main window knows titles; the engine only tags)."""
-        self._label_fn = fn
-        self.changed.emit()
-
     def name(self, tag: Any) -> str:
         if tag is None:
             return "(untagged job)"
         named = self._names.get(_key(tag))
-        if named is not None:
-            return named
-        if self._label_fn is not None:
-            try:
-                return str(self._label_fn(tag))
-            except Exception:  # noqa: BLE001 - a bad label callback must not break drawing
-                pass
-        return str(tag)
+        return named if named is not None else str(tag)
 
     def known(self) -> list[Any]:
         """Tags in the order they got their colours."""

@@ -1,4 +1,4 @@
-"""KV-cache quantization (ENGINE_SPEC §6): Hadamard-rotated groups of 32, b-bit midpoint codes.
+"""KV-cache quantization (docs/ENGINE.md §6): Hadamard-rotated groups of 32, b-bit midpoint codes.
 
 Each token's K (or V) vector, flattened over ``kv_heads x head_dim``, is cut into groups of
 32 consecutive values.  Folio requires ``head_dim % 32 == 0`` for quantized formats (stricter

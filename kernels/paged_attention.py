@@ -1,11 +1,12 @@
-"""Attention over the paged KV cache (ENGINE_SPEC §9): CPU paths and the dispatcher.
+"""Attention over the paged KV cache (docs/ENGINE.md §9): the entry point and the CPU paths.
 
 All entry points share one calling convention:
 
 * ``q [total_q, n_heads, head_dim]``: the new tokens of all sequences, concatenated in
   batch order; sequence ``b`` owns ``q_lens[b]`` rows.
-* ``kv`` (:class:`LayerKV`): one layer's K and V page stores (:mod:`kernels.kvquant`
-  layout), their formats and the key offset; the new tokens' K/V are already written.
+* ``kv`` (:class:`~kernels.layer_kv.LayerKV`): one layer's K and V page stores
+  (:mod:`kernels.kvquant` layout), their formats and the key offset; the new tokens' K/V
+  are already written.
 * ``block_tables [B, max_pages]``: physical page of each logical page, ``-1`` padding.
 * ``seq_lens [B]``: context length including the new tokens, which are its last
   ``q_lens[b]`` positions.  Attention is causal within the new chunk and full over the
@@ -14,18 +15,19 @@ All entry points share one calling convention:
 * ``kv.k_offset`` (optional, :class:`~kernels.kvquant.KeyOffset`): the keys are stored as
   ``k - R(j) mu``; every path attends to the full key ``stored + R(j) mu``, exactly.
 
-:func:`paged_attention` gathers pages and calls ``scaled_dot_product_attention``; it is the
-reference for every other kernel.  For steps where every sequence brings one token there
-are two faster CPU paths: :func:`paged_decode` (torch: gathers only the live tokens, works in
-the rotated domain of quantized caches) and :func:`paged_decode_numba` (an optional numba
-kernel reading the pages in place through the block table).  :func:`paged_attention_dispatch`
-picks the Triton kernel for CUDA tensors and the fastest applicable CPU path otherwise.
+:func:`paged_attention` is the entry point: it picks the Triton kernel for CUDA tensors and
+the fastest applicable CPU path otherwise.  :func:`paged_attention_reference` gathers pages
+and calls ``scaled_dot_product_attention``; it is the reference for every other path.  For
+steps where every sequence brings one token there are two faster CPU paths:
+:func:`paged_decode` (torch: gathers only the live tokens, works in the rotated domain of
+quantized caches) and :func:`paged_decode_numba` (an optional numba kernel reading the pages
+in place through the block table).
 
 Decode, SmolLM2 shapes (9/3 heads, head dim 64, 256-token pages), ms per layer on the 2-core
 dev machine (torch and numba with 2 threads, best of 3 x 15 runs on a quiet machine;
 multiply by 30 layers for a step):
 
-    B x context   cache   paged_attention   paged_decode   paged_decode_numba
+    B x context   cache   reference         paged_decode   paged_decode_numba
     1 x 512       fp32    0.25              0.15           0.08
     1 x 512       8-bit   0.48              0.27           0.14
     1 x 512       4-bit   0.67              0.45           0.16
@@ -51,26 +53,27 @@ and read one more fp16 per group: not re-measured.)
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.kvquant import KeyOffset, KVFormat, decode, dequantize_pages, rotate
+from kernels.kvquant import KVFormat, decode, dequantize_pages
+from kernels.layer_kv import LayerKV
 
 __all__ = [
     "HAS_NUMBA",
-    "LayerKV",
     "numba_supported",
     "paged_attention",
-    "paged_attention_dispatch",
+    "paged_attention_reference",
     "paged_decode",
     "paged_decode_numba",
 ]
 
 
-def _check_args(q, block_tables, seq_lens, q_lens) -> None:
+def _check_call(q, kv: LayerKV, block_tables, seq_lens, q_lens, decode_path: str = "") -> None:
+    """The calling convention's shapes and lengths (module docstring); ``decode_path``
+    names a path that takes only decode steps (every ``q_lens[b] == 1``)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, n_heads, head_dim], got {tuple(q.shape)}")
     batch = block_tables.shape[0]
@@ -80,9 +83,8 @@ def _check_args(q, block_tables, seq_lens, q_lens) -> None:
         raise ValueError(f"q has {q.shape[0]} rows but q_lens sums to {int(q_lens.sum())}")
     if bool((q_lens > seq_lens).any()) or bool((q_lens < 0).any()):
         raise ValueError("need 0 <= q_lens <= seq_lens")
-
-
-def _check_offset(kv: LayerKV, q: torch.Tensor, seq_lens) -> None:
+    if decode_path and bool((q_lens != 1).any()):
+        raise ValueError(f"{decode_path} needs q_lens == 1 for every sequence")
     k_offset = kv.k_offset
     if k_offset is None:
         return
@@ -97,27 +99,6 @@ def _check_offset(kv: LayerKV, q: torch.Tensor, seq_lens) -> None:
             f"key offset table covers {k_offset.table.shape[0]} positions, "
             f"contexts reach {int(seq_lens.max())}"
         )
-
-
-@dataclass(frozen=True)
-class LayerKV:
-    """One layer's pages as attention reads them: the K and V stores, their formats and,
-    for a K cache stored relative to the calibrated key mean, the key offset. The cache
-    builds one per layer and hands it to every attention path."""
-
-    k: dict[str, torch.Tensor]
-    v: dict[str, torch.Tensor]
-    fmt_k: KVFormat
-    fmt_v: KVFormat
-    k_offset: KeyOffset | None = None
-
-    @property
-    def page_size(self) -> int:
-        return next(iter(self.k.values())).shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return next(iter(self.k.values())).shape[2]
 
 
 def _gather_context(
@@ -170,7 +151,7 @@ def _attend(
     return out.transpose(1, 2)
 
 
-def paged_attention(
+def paged_attention_reference(
     q: torch.Tensor,
     kv: LayerKV,
     block_tables: torch.Tensor,
@@ -185,8 +166,7 @@ def paged_attention(
     masked; each longer chunk (prefill) runs on its own so no sequence pays for another's
     chunk length.  Returns ``[total_q, n_heads, head_dim]`` in ``q.dtype``.
     """
-    _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(kv, q, seq_lens)
+    _check_call(q, kv, block_tables, seq_lens, q_lens)
     seq_list = seq_lens.tolist()
     q_list = q_lens.tolist()
     starts = [0]
@@ -256,10 +236,7 @@ def paged_decode(
     (sum_j p_j y_j) H``, so only ``q`` and the output are rotated.  A key offset enters as an
     additive score bias ``z . t_j`` (:meth:`~kernels.kvquant.KeyOffset.query_terms`).
     """
-    _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(kv, q, seq_lens)
-    if bool((q_lens != 1).any()):
-        raise ValueError("paged_decode needs q_lens == 1 for every sequence")
+    _check_call(q, kv, block_tables, seq_lens, q_lens, decode_path="paged_decode")
     batch, n_heads, head_dim = q.shape
     context = int(seq_lens.max())
     index = _token_index(block_tables, context, kv.page_size)
@@ -268,9 +245,7 @@ def paged_decode(
     kv_heads = k.shape[2]
     group = n_heads // kv_heads
 
-    qf = q.float()
-    if kv.fmt_k.bits is not None:
-        qf = rotate(qf)
+    qf = kv.query_for_pages(q)
     # one query per sequence: the query heads sharing a KV head become that head's rows
     qg = qf.reshape(batch, kv_heads, group, head_dim)
     t = torch.arange(context, device=q.device)[None, :]
@@ -287,10 +262,7 @@ def paged_decode(
     out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
-    out = out.reshape(batch, n_heads, head_dim)
-    if kv.fmt_v.bits is not None:
-        out = rotate(out)
-    return out.to(q.dtype)
+    return kv.output_from_pages(out.reshape(batch, n_heads, head_dim), q.dtype)
 
 
 # ---- numba decode kernel: reads the pages in place through the block table ---------------
@@ -482,10 +454,7 @@ def paged_decode_numba(
     domain on the fly.  CPU tensors with fp32 or quantized pages only (see
     :func:`numba_supported`).
     """
-    _check_args(q, block_tables, seq_lens, q_lens)
-    _check_offset(kv, q, seq_lens)
-    if bool((q_lens != 1).any()):
-        raise ValueError("paged_decode_numba needs q_lens == 1 for every sequence")
+    _check_call(q, kv, block_tables, seq_lens, q_lens, decode_path="paged_decode_numba")
     if not numba_supported(q, kv.fmt_k, kv.fmt_v):
         raise ValueError("paged_decode_numba needs numba, CPU tensors and fp32 or quantized pages")
     if sliding_window is not None and sliding_window < 1:
@@ -521,8 +490,7 @@ def decode_numba_unchecked(
     vd, vc, vs, vz, vasym, vbits = _numba_store(kv.fmt_v, kv.v)
     kv_heads = kv.kv_heads
     k_offset = kv.k_offset
-    qf = rotate(q) if kbits else q.float()
-    qf = (qf * scale).contiguous()
+    qf = (kv.query_for_pages(q) * scale).contiguous()
     if k_offset is None:
         zq, offset_table = _NO_QUERY_TERMS, _NO_TABLE
     else:
@@ -542,12 +510,10 @@ def decode_numba_unchecked(
         _heads_per_task(q.shape[0], kv_heads),
         out.numpy(),
     )  # fmt: skip
-    if vbits:
-        out = rotate(out)
-    return out.to(q.dtype)
+    return kv.output_from_pages(out, q.dtype)
 
 
-def paged_attention_dispatch(
+def paged_attention(
     q: torch.Tensor,
     kv: LayerKV,
     block_tables: torch.Tensor,
@@ -556,7 +522,7 @@ def paged_attention_dispatch(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Pick the fastest path that handles this call.
+    """Paged attention by the fastest path that handles this call.
 
     CUDA tensors: the Triton kernel (the reference when triton is missing).  CPU: steps
     where every sequence decodes one token go to the numba kernel (when numba is installed
@@ -568,13 +534,13 @@ def paged_attention_dispatch(
         try:
             from kernels.triton_paged_attention import triton_paged_attention
         except ImportError:  # no triton: the reference runs on CUDA tensors too
-            return paged_attention(*args)
+            return paged_attention_reference(*args)
         return triton_paged_attention(*args)
     if q.shape[0] == q_lens.shape[0] and bool((q_lens == 1).all()):
         if numba_supported(q, kv.fmt_k, kv.fmt_v):
             return paged_decode_numba(*args)
         return paged_decode(*args)
-    return paged_attention(*args)
+    return paged_attention_reference(*args)
 
 
 def warm_up() -> bool:

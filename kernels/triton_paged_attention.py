@@ -1,9 +1,9 @@
-"""Paged attention as a Triton kernel (ENGINE_SPEC §9, CUDA path).
+"""Paged attention as a Triton kernel (docs/ENGINE.md §9, CUDA path).
 
-Same calling convention and semantics as :func:`kernels.paged_attention.paged_attention`
-(the reference it is tested against, on CPU through ``TRITON_INTERPRET=1``): prefill chunks
-and decode steps mixed in one launch, GQA, sliding window, and K/V pages in any
-:class:`~kernels.kvquant.KVFormat`.
+Same calling convention and semantics as
+:func:`kernels.paged_attention.paged_attention_reference` (which it is tested against, on
+CPU through ``TRITON_INTERPRET=1``): prefill chunks and decode steps mixed in one launch,
+GQA, sliding window, and K/V pages in any :class:`~kernels.kvquant.KVFormat`.
 
 One program computes a few query rows of one sequence for all the query heads of one KV
 head (``BLOCK_M`` tile rows = rows x GQA group, so a decode step of SmolLM2 fills 3 of
@@ -11,8 +11,8 @@ head (``BLOCK_M`` tile rows = rows x GQA group, so a decode step of SmolLM2 fill
 the keys in tiles of ``BLOCK_N`` positions (a tile never straddles a page) with an online
 softmax.  Each tile's physical page comes from the block table, so pages are read in place,
 never gathered.  Quantized pages are decoded in the kernel into the rotated domain; the
-rotation itself is applied to ``q`` before and to the output after the kernel (``H`` is
-orthogonal and symmetric: ``q . (y H) = (q H) . y`` and ``sum_j p_j y_j H = (sum_j p_j y_j) H``).
+rotation itself is applied to ``q`` before and to the output after the kernel, as on every
+path (``LayerKV.query_for_pages`` and ``LayerKV.output_from_pages``).
 With a key offset (keys stored as ``k - R(j) mu``) each score gains ``z . t_j``: ``z`` per
 query row from :meth:`~kernels.kvquant.KeyOffset.query_terms`, ``t_j`` the offset table's row
 for key position ``j``, one more ``tl.dot`` per tile.
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kvquant import GROUP_SIZE, KVFormat, rotate
-from kernels.paged_attention import LayerKV
+from kernels.kvquant import GROUP_SIZE, KVFormat
+from kernels.layer_kv import LayerKV
 
 __all__ = ["INTERPRETED", "triton_paged_attention"]
 
@@ -269,13 +269,11 @@ def triton_paged_attention(
     k_offset = kv.k_offset
     k_data, k_scales, k_zeros, ks, kt, k_bits, k_asym = _store_args(kv.fmt_k, kv.k, head_dim)
     v_data, v_scales, v_zeros, vs, vt, v_bits, v_asym = _store_args(kv.fmt_v, kv.v, head_dim)
-    kv_heads = k_data.shape[2]
-    page_size = k_data.shape[1]
+    kv_heads, page_size = kv.kv_heads, kv.page_size
     if n_heads % kv_heads:
         raise ValueError(f"n_heads {n_heads} is not a multiple of kv_heads {kv_heads}")
 
-    qf = rotate(q) if k_bits else q.float()
-    qf = qf.contiguous()
+    qf = kv.query_for_pages(q).contiguous()
     if k_offset is None:
         zq, table = qf, qf  # not read: HAS_OFFSET is off
     else:
@@ -317,6 +315,4 @@ def triton_paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )  # fmt: skip
-    if v_bits:
-        out = rotate(out)
-    return out.to(q.dtype)
+    return kv.output_from_pages(out, q.dtype)

@@ -63,7 +63,7 @@ def main(out: Path) -> None:
     from gui.main_window import MainWindow
     from gui.settings_dialog import EngineSettings
     from gui.store import Store
-    from gui.views import MemoryPanel
+    from gui.views.memory_panel import MemoryPanel
 
     icon = app_icon()
     if icon is not None:

@@ -29,8 +29,9 @@ from engine.cache.kv_cache import CacheSettings, KVCache
 from engine.generator.generator import Generator, GeneratorSettings
 from engine.generator.job import EventKind, JobRequest
 from engine.generator.sampler import SamplingSettings
+from engine.model.calibration import calibration_for
 from engine.model.loader import LoadedModel, load_model
-from engine.perplexity import reference_text
+from engine.reference_text import reference_text
 from kernels.bf16 import BATCHED_FROM_ROWS
 
 GREEDY = SamplingSettings(temperature=0)
@@ -55,7 +56,8 @@ def _generator(
 ) -> Generator:
     pages = -(-tokens // PAGE_SIZE) + 1
     cache = cache or CacheSettings(page_size=PAGE_SIZE, token_budget=pages * PAGE_SIZE)
-    return Generator(loaded, KVCache.for_model(loaded, cache), GeneratorSettings(**settings))
+    kv = KVCache.for_model(loaded, cache, calibration_for(loaded, cache))
+    return Generator(loaded, kv, GeneratorSettings(**settings))
 
 
 def _peak_pages(gen: Generator) -> int:

@@ -27,7 +27,7 @@ from engine.cache import (
     dense_allocator,
 )
 
-# SmolLM2-135M shapes (ENGINE_SPEC §9)
+# SmolLM2-135M shapes (docs/ENGINE.md §9)
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
@@ -213,12 +213,12 @@ def _bench_bytes_per_token(page_size: int) -> None:
         "fp32": fp32 / page_size,
         "fp16": fp16 / page_size,
     }
-    # the engine's quantized layout (engine/cache/kv_cache.py kv_formats): b-bit codes plus
+    # the engine's quantized layout (engine/cache/formats.py kv_formats): b-bit codes plus
     # an fp16 step and an fp16 minimum per group of 32 values
     values = LAYERS * KV_HEADS * HEAD_DIM * 2
     record["formula_bits"] = {str(b): values * (b / 8 + 4 / 32) for b in range(2, 9)}
     from engine.cache import kvformat_allocator
-    from engine.cache.kv_cache import kv_formats
+    from engine.cache.formats import kv_formats
 
     measured = {}
     for bits in (8, 6, 5, 4, 3, 2):
@@ -231,7 +231,7 @@ def _bench_bytes_per_token(page_size: int) -> None:
     _emit(record)
 
 
-# -- eviction order: what tail first buys over plain LRU (ENGINE_SPEC §4) -------------
+# -- eviction order: what tail first buys over plain LRU (docs/ENGINE.md §4) -------------
 
 VOCAB = 49_152  # SmolLM2's vocabulary: the token ids are random, only equality matters
 

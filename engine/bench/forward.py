@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.generate import SequenceRunner
 from engine.model.loader import WEIGHT_MODES, load_model
+from engine.model.runner import SequenceRunner
 
 
 def _emit(record: dict) -> None:

@@ -1,4 +1,5 @@
-"""Paged KV cache: page table, storage, host tier, eviction order, defrag."""
+"""Paged KV cache: page table, storage, host tier, eviction order, defrag, and what other
+threads read of it (snapshots and their figures)."""
 
 from engine.cache.eviction import EvictionPolicy, eviction_order
 from engine.cache.host_tier import HostTier, HostTierSnapshot, TierEntry
@@ -16,11 +17,11 @@ from engine.cache.page_table import (
     Allocation,
     CacheCounters,
     CacheEvent,
-    CacheSnapshot,
+    CacheEventKind,
     DefragResult,
-    EventKind,
     PageTable,
 )
+from engine.cache.snapshot import CacheSnapshot, CacheStats, cache_stats
 from engine.cache.storage import (
     PagedKVStorage,
     dense_allocator,
@@ -32,11 +33,12 @@ __all__ = [
     "Allocation",
     "CacheCounters",
     "CacheEvent",
+    "CacheEventKind",
     "CacheFingerprint",
     "CacheFullError",
     "CacheSnapshot",
+    "CacheStats",
     "DefragResult",
-    "EventKind",
     "EvictionPolicy",
     "HostTier",
     "HostTierSnapshot",
@@ -47,6 +49,7 @@ __all__ = [
     "PagesUnavailableError",
     "Tier",
     "TierEntry",
+    "cache_stats",
     "chain_hash",
     "dense_allocator",
     "eviction_order",

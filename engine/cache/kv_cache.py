@@ -7,8 +7,9 @@ tables; it never sees which pages are shared, cached or restored.
 A quantized K cache stores each key relative to its layer's calibrated mean, rotated to the
 key's position: ``k - R(p) mu`` (``KeyCalibration``, docs/KV_QUANT.md).  SmolLM2's keys are
 mostly that constant offset, which would otherwise set every quantization scale; attention
-adds ``q . R(p) mu`` back exactly (``kernels.kvquant.KeyOffset``).  Quantized K and V use
-the asymmetric min/max grid (``kv_formats``).
+adds ``q . R(p) mu`` back exactly (``kernels.kvquant.KeyOffset``).  The means are data the
+cache is given: engine/model/calibration.py runs the model to compute them.  Quantized K and
+V use the asymmetric min/max grid (``engine.cache.formats.kv_formats``).
 """
 
 from __future__ import annotations
@@ -21,21 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cache.formats import kv_formats
 from engine.cache.host_tier import HostTier
 from engine.cache.page import CacheFingerprint
 from engine.cache.page_table import PageTable
 from engine.cache.storage import PagedKVStorage, kvformat_allocator
-from kernels.kvquant import KeyOffset, KVFormat, quantize_into, rope_table
-from kernels.paged_attention import (
-    LayerKV,
-    decode_numba_unchecked,
-    numba_supported,
-    paged_attention_dispatch,
-)
+from kernels.kvquant import KeyOffset, quantize_into, rope_table
+from kernels.layer_kv import LayerKV
+from kernels.paged_attention import decode_numba_unchecked, numba_supported, paged_attention
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_TOKEN_BUDGET = 16384
-CALIBRATION_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -113,18 +110,6 @@ class StepBatch:
         )
 
 
-def kv_formats(k_bits: int | None, v_bits: int | None) -> tuple[KVFormat, KVFormat]:
-    """The K and V page formats of a cache with these widths (None: fp32).
-
-    Quantized K and V both use the asymmetric min/max grid: measured on SmolLM2 K4/V4
-    (with the key offset) +1.9% perplexity against +2.9% with the §6 midpoint grid for K,
-    for one more fp16 per group of 32 (docs/KV_QUANT.md)."""
-    return (
-        KVFormat(bits=k_bits, asymmetric=k_bits is not None),
-        KVFormat(bits=v_bits, asymmetric=v_bits is not None),
-    )
-
-
 @dataclass(frozen=True)
 class KeyCalibration:
     """Per layer, the mean pre-RoPE key (after k_norm where the model has one) over a fixed
@@ -145,68 +130,11 @@ class KeyCalibration:
         return cls(means.float(), tuple(f.float() for f in inv_freq), source, h.hexdigest())
 
 
-def calibration_ids(loaded, count: int = CALIBRATION_TOKENS) -> tuple[list[int], str]:
-    """``count`` token ids to calibrate on, and what they are.
-
-    Text from the middle of ``pydoc_data.topics`` (shipped with Python; far from the
-    perplexity windows, which start at its beginning), or, for a model without a
-    tokenizer, seeded random ids: the key mean is mostly a property of the weights.
-    Never more tokens than the model has positions.
-    """
-    count = min(count, loaded.config.max_position_embeddings)
-    if loaded.tokenizer is not None:
-        from engine.perplexity import reference_text  # late: engine.perplexity imports this module
-
-        text = reference_text()
-        start = text.index("\n\n", len(text) // 2) + 2
-        # ~4 characters a token: 8 per token leaves room
-        ids = loaded.tokenizer.encode(text[start : start + 8 * count], add_special_tokens=False)
-        ids = ids[:count]
-        if len(ids) == count:
-            return ids, f"pydoc_data.topics from character {start}, {count} tokens"
-    ids = torch.randint(
-        0, loaded.config.vocab_size, (count,), generator=torch.Generator().manual_seed(0)
-    )
-    return ids.tolist(), f"{count} random token ids (seed 0)"
-
-
-def calibrate_keys(loaded, count: int = CALIBRATION_TOKENS) -> KeyCalibration:
-    """One forward over the calibration tokens into an fp32 cache, then per layer the mean
-    of the stored keys with their RoPE undone (``R(p)^-1 = R(-p)``)."""
-    cfg, model = loaded.config, loaded.model
-    ids, source = calibration_ids(loaded, count)
-    settings = CacheSettings(page_size=DEFAULT_PAGE_SIZE, token_budget=len(ids))
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.fingerprint, settings)
-    batch = StepBatch.build([(list(range(cache.num_pages)), 0, len(ids))], cache.page_size)
-    model.forward(torch.tensor(ids), batch, cache)
-    half = cfg.head_dim // 2
-    means, freqs = [], []
-    for layer in range(cfg.num_layers):
-        inv_freq = model.key_rope(layer).inv_freq
-        table = rope_table(inv_freq, len(ids))
-        cos = torch.cat((table[:, :half], table[:, :half]), -1).unsqueeze(-2)
-        sin = torch.cat((table[:, half:], table[:, half:]), -1).unsqueeze(-2)
-        k = cache.storage.k[layer]["data"].flatten(0, 1)[: len(ids)].float()
-        rotated = torch.cat((-k[..., half:], k[..., :half]), -1)
-        means.append((k * cos - rotated * sin).mean(0))
-        freqs.append(inv_freq)
-    return KeyCalibration.of(torch.stack(means), freqs, source)
-
-
-def key_calibration(loaded) -> KeyCalibration:
-    """The model's key calibration, computed on first use and kept on the LoadedModel."""
-    calibration = getattr(loaded, "key_calibration", None)
-    if calibration is None:
-        calibration = calibrate_keys(loaded)
-        loaded.key_calibration = calibration
-    return calibration
-
-
 class KVCache:
     """Paged K/V for every layer of one model, with the page table that owns the pages.
 
     ``calibration`` (used only when K is quantized): the key means the K pages are stored
-    relative to; :meth:`for_model` supplies the model's."""
+    relative to (``engine.model.calibration.calibration_for`` computes a model's)."""
 
     def __init__(
         self,
@@ -250,7 +178,8 @@ class KVCache:
         )
         # what attention reads per layer; with a key offset, rebuilt when its tables grow
         self._layers = [
-            LayerKV(self.storage.k[i], self.storage.v[i], self.fmt_k, self.fmt_v) for i in range(num_layers)
+            LayerKV(self.storage.k[i], self.storage.v[i], self.fmt_k, self.fmt_v)
+            for i in range(num_layers)
         ]
         self._covered: StepBatch | None = None  # the last batch the offset tables cover
         self.pages = PageTable(
@@ -265,12 +194,22 @@ class KVCache:
         self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
 
     @classmethod
-    def for_model(cls, loaded, settings: CacheSettings | None = None) -> KVCache:
-        """The cache for a loaded model; a quantized K cache calibrates the model's key
-        means first (one forward of ~1k tokens, once per model)."""
+    def for_model(
+        cls,
+        loaded,
+        settings: CacheSettings | None = None,
+        calibration: KeyCalibration | None = None,
+    ) -> KVCache:
+        """The cache for a loaded model (its config's shape and its fingerprint). A quantized
+        K cache needs the model's key calibration: ``calibration_for(loaded, settings)``
+        (engine/model/calibration.py)."""
         cfg = loaded.config
         settings = settings or CacheSettings()
-        calibration = key_calibration(loaded) if settings.k_bits is not None else None
+        if settings.k_bits is not None and calibration is None:
+            raise ValueError(
+                "a quantized K cache stores keys relative to the model's key means: pass "
+                "engine.model.calibration.calibration_for(loaded, settings)"
+            )
         return cls(
             cfg.num_layers,
             cfg.num_kv_heads,
@@ -298,7 +237,9 @@ class KVCache:
                 # grown like the model's rope tables: doubling, so a long generation
                 # rebuilds them a logarithmic number of times
                 offsets = self._build_offsets(max(need, 2 * have, 256))
-                self._layers = [dataclasses.replace(kv, k_offset=o) for kv, o in zip(self._layers, offsets)]
+                self._layers = [
+                    dataclasses.replace(kv, k_offset=o) for kv, o in zip(self._layers, offsets)
+                ]
             self._covered = batch
         return self._layers[layer]
 
@@ -334,6 +275,6 @@ class KVCache:
         if batch.host is not None and self.numba_decode:
             # A decode step, validated once by StepBatch.build for all layers.
             return decode_numba_unchecked(q, kv, *batch.host, scale, sliding_window)
-        return paged_attention_dispatch(
+        return paged_attention(
             q, kv, batch.block_tables, batch.seq_lens, batch.q_lens, scale, sliding_window
         )

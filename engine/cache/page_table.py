@@ -15,13 +15,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.cache.defrag import plan_defrag
 from engine.cache.eviction import EvictionPolicy, eviction_order
-from engine.cache.host_tier import HostTier, HostTierSnapshot
+from engine.cache.host_tier import HostTier
 from engine.cache.page import (
     CacheFingerprint,
     CacheFullError,
@@ -33,10 +32,8 @@ from engine.cache.page import (
     is_content_hash,
     new_placeholder_hash,
 )
+from engine.cache.snapshot import CacheSnapshot, CacheStats, page_stats
 from engine.cache.storage import PagedKVStorage
-
-if TYPE_CHECKING:
-    from engine.telemetry import CacheStats
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Allocation:
     partial_rows: int = 0  # rows copied from a sibling page (partial last page)
 
 
-class EventKind(StrEnum):
+class CacheEventKind(StrEnum):
     STORED = "stored"  # a page got its content hash (full, data present or coming)
     REMOVED = "removed"  # a page lost its content (reset to empty)
     EVICTED = "evicted"  # a page with content was taken for reuse
@@ -66,7 +63,7 @@ class EventKind(StrEnum):
 
 @dataclass(frozen=True)
 class CacheEvent:
-    kind: EventKind
+    kind: CacheEventKind
     page: int = -1
     hash: bytes | None = None
     parent_hash: bytes | None = None
@@ -84,20 +81,6 @@ class CacheCounters:
     defrag_moved_pages: int = 0
     defrag_copies: int = 0
     dedup_switches: int = 0
-
-
-@dataclass
-class CacheSnapshot:
-    state: np.ndarray  # uint8 PageState per page
-    ref_count: np.ndarray  # int32
-    fill: np.ndarray  # int32
-    tier: np.ndarray  # uint8 Tier
-    access_serial: np.ndarray  # int64
-    owners: list[tuple[int, ...]]  # job ids per page
-    hash_prefix: np.ndarray  # uint64: first 8 bytes of the content hash, 0 for placeholders
-    edges: np.ndarray  # [E, 2] int32: (child page, parent page)
-    host: HostTierSnapshot | None
-    counters: dict[str, int]
 
 
 @dataclass
@@ -258,7 +241,7 @@ class PageTable:
                     self._sync(rec)
                     alloc.restored_pages += 1
                     self.counters.tier_restores += 1
-                    self.events.append(CacheEvent(EventKind.RESTORED, rec.index, h, parent))
+                    self.events.append(CacheEvent(CacheEventKind.RESTORED, rec.index, h, parent))
             self._add_ref(rec, job_id)
             alloc.block_table.append(rec.index)
             parent = h
@@ -372,7 +355,9 @@ class PageTable:
             raise PagesUnavailableError("no unreferenced page left")
         if rec.fill > 0:
             self.counters.evictions += 1
-            self.events.append(CacheEvent(EventKind.EVICTED, rec.index, rec.hash, rec.parent_hash))
+            self.events.append(
+                CacheEvent(CacheEventKind.EVICTED, rec.index, rec.hash, rec.parent_hash)
+            )
             if self.host_tier is not None and rec.has_content_hash and rec.fill == self.page_size:
                 assert self.storage is not None
                 if self.host_tier.push(
@@ -380,7 +365,7 @@ class PageTable:
                 ):
                     self.counters.tier_pushes += 1
                     self.events.append(
-                        CacheEvent(EventKind.TIER_PUSH, rec.index, rec.hash, rec.parent_hash)
+                        CacheEvent(CacheEventKind.TIER_PUSH, rec.index, rec.hash, rec.parent_hash)
                     )
         self._reset_empty(rec)
         return rec
@@ -435,7 +420,7 @@ class PageTable:
         self._set_parent(rec, parent)
         rec.tokens = list(tokens)
         rec.fill = fill
-        self.events.append(CacheEvent(EventKind.STORED, rec.index, h, parent))
+        self.events.append(CacheEvent(CacheEventKind.STORED, rec.index, h, parent))
         self._sync(rec)
 
     def _reset_empty(self, rec: PageRecord) -> None:
@@ -445,7 +430,7 @@ class PageTable:
         rec.tokens = []
         rec.fill = 0
         if had_content:
-            self.events.append(CacheEvent(EventKind.REMOVED, rec.index))
+            self.events.append(CacheEvent(CacheEventKind.REMOVED, rec.index))
         self._sync(rec)
 
     def _add_ref(self, rec: PageRecord, job_id: int) -> None:
@@ -547,7 +532,7 @@ class PageTable:
             other = None
         if other is None:
             self._set_hash(rec, h, children_follow=True)
-            self.events.append(CacheEvent(EventKind.STORED, rec.index, h, parent))
+            self.events.append(CacheEvent(CacheEventKind.STORED, rec.index, h, parent))
             return rec.index
         # Switch to the existing page.
         self._add_ref(other, alloc.job_id)
@@ -648,7 +633,7 @@ class PageTable:
             dst = plan.target[rec.index]
             if dst != rec.index and rec.fill > 0:
                 self.events.append(
-                    CacheEvent(EventKind.DEFRAG_MOVE, rec.index, rec.hash, None, dst)
+                    CacheEvent(CacheEventKind.DEFRAG_MOVE, rec.index, rec.hash, None, dst)
                 )
             rec.index = dst
             new_pages[dst] = rec
@@ -676,7 +661,7 @@ class PageTable:
         if self.host_tier is not None:
             self.host_tier.clear()
         self._victims.stale = True
-        self.events.append(CacheEvent(EventKind.CLEARED))
+        self.events.append(CacheEvent(CacheEventKind.CLEARED))
 
     # -- inspection ----------------------------------------------------------------
 
@@ -702,10 +687,10 @@ class PageTable:
     def stats(self) -> CacheStats:
         """The pool's figures now, read in place: what the generator records every step,
         without the copies a `snapshot` makes for other threads."""
-        from engine.telemetry import page_stats  # telemetry imports this package
-
         host = len(self.host_tier.entries) if self.host_tier is not None else 0
-        return page_stats(self._m_state, self._m_ref, self._m_fill, host, asdict(self.counters), self.page_size)
+        return page_stats(
+            self._m_state, self._m_ref, self._m_fill, host, asdict(self.counters), self.page_size
+        )
 
     def validate(self) -> None:
         """Check every invariant of §1; AssertionError with the reason otherwise."""

@@ -1,4 +1,9 @@
-"""`folio generate`: one prompt, the reply streamed to stdout (or one JSON object)."""
+"""`folio generate`: one prompt, the reply streamed to stdout (or one JSON object).
+
+The prompt is one job on an `Engine`, submitted as the app and `folio chat` submit
+theirs: the same generator, sampler and stop handling, so a seed gives the same text
+here as there.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,19 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
+
+from engine.cache.kv_cache import DEFAULT_PAGE_SIZE, CacheSettings
+from engine.engine import Engine
+from engine.generator.job import EventKind, JobRequest, JobResult
+from engine.generator.sampler import SamplingSettings
+from engine.generator.stops import StopReason
+from engine.model.loader import DEFAULT_WEIGHT_MODE, LoadedModel, load_model
+
+EXIT_FAILED = 1  # as engine.cli.main's (which imports this module)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.generate import Completion, generate
-    from engine.model.loader import DEFAULT_WEIGHT_MODE, load_model
-
     loaded = load_model(
         args.model,
         weight_mode=args.weights or DEFAULT_WEIGHT_MODE,
@@ -22,30 +34,65 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(args.prompt)
     else:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    completion = Completion()
-    stream = generate(
-        loaded,
-        prompt_ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        completion=completion,
+    request = JobRequest(
+        prompt=prompt_ids,
+        sampling=SamplingSettings(temperature=args.temperature, seed=args.seed),
+        max_new_tokens=_max_new_tokens(loaded, len(prompt_ids), args.max_new_tokens),
     )
+    with Engine(loaded, _cache_for(len(prompt_ids), request.max_new_tokens)) as engine:
+        handle = engine.submit(request)
+        for event in handle.events():
+            if not args.json and event.kind is EventKind.STREAMING and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    result = handle.result
+    assert result is not None
+    if result.eos_reason == StopReason.ERROR:
+        print(f"\nfolio: {result.error}", file=sys.stderr)
+        return EXIT_FAILED
+    fields = completion_fields(result)
     if args.json:
-        for _ in stream:
-            pass
-        result = completion.as_dict()
-        result["load_seconds"] = round(loaded.load_seconds, 3)
-        result["model"] = str(loaded.path)
-        print(json.dumps(result, ensure_ascii=False))
+        fields["load_seconds"] = round(loaded.load_seconds, 3)
+        fields["model"] = str(loaded.path)
+        print(json.dumps(fields, ensure_ascii=False))
     else:
-        for delta in stream:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
         sys.stdout.write("\n")
         if os.environ.get("FOLIO_VERBOSE"):
-            print(
-                json.dumps({k: v for k, v in completion.as_dict().items() if k != "text"}),
-                file=sys.stderr,
-            )
+            print(json.dumps({k: v for k, v in fields.items() if k != "text"}), file=sys.stderr)
     return 0
+
+
+def completion_fields(result: JobResult) -> dict[str, Any]:
+    """The `--json` object of one reply (scripts read these names)."""
+    new_tokens = result.new_tokens
+    decode_steps = max(new_tokens - 1, 0)
+    prefill, generate = result.time_prefill, result.time_generate
+    return {
+        "text": result.text,
+        "token_ids": result.token_ids[0] if result.token_ids else [],
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "new_tokens": new_tokens,
+        "eos_reason": result.eos_reason,
+        "time_prefill": round(prefill, 4),
+        "time_generate": round(generate, 4),
+        "prefill_tokens_per_s": round(result.prompt_tokens / prefill, 2) if prefill else None,
+        "decode_tokens_per_s": (
+            round(decode_steps / generate, 2) if generate and decode_steps else None
+        ),
+    }
+
+
+def _max_new_tokens(loaded: LoadedModel, prompt_tokens: int, asked: int) -> int:
+    """What was asked for, cut to the room the model's context leaves. A prompt that
+    fills the context keeps one, so that the generator's check says to shorten it."""
+    room = loaded.config.max_position_embeddings - prompt_tokens
+    return min(asked, max(room, 1))
+
+
+def _cache_for(prompt_tokens: int, max_new_tokens: int) -> CacheSettings:
+    """A cache of the pages this one job needs, in the app's page size (so the prompt
+    is prefilled in the same chunks as there)."""
+    ps = DEFAULT_PAGE_SIZE
+    pages = -(-(prompt_tokens + max_new_tokens) // ps)
+    return CacheSettings(page_size=ps, token_budget=pages * ps)

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.units import format_bytes
+
 EXIT_FAILED = 1
 _SORTS = {"downloads": "downloads", "likes": "likes", "updated": "last_modified"}
 
@@ -102,14 +104,6 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -209,7 +203,7 @@ def _files(args: argparse.Namespace) -> int:
             fit = candidate_fit(c, shape, plan, args.device, parameters=listing.parameters)
             fit_label, fit_text, fit_note = fit.label.value, fit.text, fit.note
         quant = (c.quant or "?") + (" (checked)" if c.quant_confirmed else "")
-        rows.append([c.name, c.kind, quant, _size(c.size), fit_label or "-", c.problem or fit_note])
+        rows.append([c.name, c.kind, quant, format_bytes(c.size), fit_label or "-", c.problem or fit_note])
         out.append({**_jsonable(c), "fit": fit_label or None, "fit_text": fit_text or None})
     if args.json:
         print(json.dumps({"repo_id": listing.repo_id, "revision": listing.revision, "models": out}))
@@ -240,16 +234,16 @@ def _stderr_progress():
             if p.eta_s is not None and p.state.value == "downloading"
             else ""
         )
-        print(f"  {p.state.value}: {_size(p.done_bytes)} of {_size(p.total_bytes)}{pct}{speed}{eta}",
+        print(f"  {p.state.value}: {format_bytes(p.done_bytes)} of {format_bytes(p.total_bytes)}{pct}{speed}{eta}",
               file=sys.stderr, flush=True)  # fmt: skip
 
     return report
 
 
 def _download(args: argparse.Namespace) -> int:
-    from engine.hub.download import download_model
     from engine.hub.errors import UnsupportedModelError
     from engine.hub.remote import list_repo_models
+    from engine.hub.transfer import download_model
 
     listing = list_repo_models(args.repo)
     if args.file:
@@ -287,7 +281,7 @@ def _list(args: argparse.Namespace) -> int:
             m.format,
             m.quant or "?",
             m.architecture or "?",
-            _size(m.size_bytes),
+            format_bytes(m.size_bytes),
             time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used))
             if m.last_used
             else "never",

@@ -1,1 +1,2 @@
-"""The generator: jobs, the step loop, sampling and stop handling (ENGINE_SPEC §7)."""
+"""The generator: jobs, the step loop, admission, sampling, beam search and stop
+handling (docs/ENGINE.md §7)."""

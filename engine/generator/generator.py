@@ -1,9 +1,10 @@
-"""The continuous-batching loop (ENGINE_SPEC §3, §7, §8).
+"""The continuous-batching loop (docs/ENGINE.md §3, §7, §8).
 
-`Generator.iterate()` is one step: start the pending jobs that fit, run one prefill
-chunk per job with prompt left, run one batched decode forward over every sequence
-whose prompt is in the cache, then sample, apply stop conditions and report events.
-Pages change hands only through the page table; this module decides *when*.
+`Generator.iterate()` is one step: start the pending jobs that fit (`Scheduler`), run
+one prefill chunk per job with prompt left, run one batched decode forward over every
+sequence whose prompt is in the cache, then sample (or extend beams,
+`beam_search.py`), apply stop conditions and report events. Pages change hands only
+through the page table; the generator and its scheduler decide *when*.
 
 Numerics do not depend on the batch: each job's prefill is its own forward with
 chunk boundaries that depend only on the job, and the decode forward treats its rows
@@ -17,14 +18,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 
 from engine.cache.kv_cache import KVCache, StepBatch
-from engine.cache.page import CacheFullError
+from engine.generator.beam_search import Continuation, best_hypotheses, select_continuations
 from engine.generator.job import (
-    BeamHypothesis,
     EventKind,
     Job,
     JobEvent,
@@ -33,37 +32,18 @@ from engine.generator.job import (
     JobState,
     Sequence,
 )
-from engine.generator.sampler import Sampler, make_generator, process_logits
+from engine.generator.sampler import Sampler, make_generator
+from engine.generator.scheduler import Scheduler
+from engine.generator.settings import GeneratorSettings
 from engine.generator.stops import StopHandler, StopReason
 from engine.model.loader import LoadedModel
 from engine.telemetry import StepRecord, Telemetry
 
-
-@dataclass(frozen=True)
-class GeneratorSettings:
-    max_batch_size: int = 16  # sequences decoded together (a job takes n / beam width slots)
-    max_chunk_size: int = 512  # prompt tokens one job prefills per step (whole pages)
-    max_prefill_tokens: int = 1024  # per step over all jobs; a step always runs one chunk
-    max_skips: int = 4  # a job skipped this often holds back every job behind it
-    max_rq_tokens: int = 2048  # tokens a job generates per round before it is requeued
-    prefix_caching: bool = True
-    defrag: bool = True  # lay cached chains out contiguously when the queues drain
-
-    def validate(self, page_size: int) -> None:
-        for name in ("max_batch_size", "max_chunk_size", "max_prefill_tokens", "max_rq_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_skips < 0:
-            raise ValueError(f"max_skips must be >= 0, got {self.max_skips}")
-        if self.max_chunk_size < page_size:
-            raise ValueError(
-                f"max_chunk_size ({self.max_chunk_size}) must hold at least one page ({page_size} tokens)"
-            )
+__all__ = ["Generator", "GeneratorSettings"]
 
 
 class Generator:
-    """Owns the queues and every job's sequences; call `iterate()` until `idle`."""
+    """Owns every job's sequences; call `iterate()` until `idle`."""
 
     def __init__(
         self,
@@ -84,8 +64,7 @@ class Generator:
         self.telemetry = telemetry
         self.clock = clock
         self.sampler = Sampler()
-        self.pending: deque[Job] = deque()
-        self.active: list[Job] = []
+        self.scheduler = Scheduler(self.pages, self.settings, clock)
         self.jobs: dict[int, Job] = {}
         self._job_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -93,6 +72,16 @@ class Generator:
         self.steps = 0
 
     # -- the public surface ----------------------------------------------------------
+
+    @property
+    def pending(self) -> deque[Job]:
+        """Jobs waiting to start, in the order they will be tried."""
+        return self.scheduler.pending
+
+    @property
+    def active(self) -> list[Job]:
+        """Jobs prefilling or decoding."""
+        return self.scheduler.active
 
     @property
     def idle(self) -> bool:
@@ -129,7 +118,7 @@ class Generator:
                 f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
                 f"exceed the model's context of {limit} tokens: ask for at most {room} new tokens"
             )
-        self._check_fits(request, len(prompt))
+        self.scheduler.check_fits(request, len(prompt))
         stops = request.stop_token_ids
         stop_ids = frozenset(tokenizer.eos_token_ids if stops is None else stops)
         return prompt, stop_ids
@@ -165,99 +154,27 @@ class Generator:
             self._finish_job(job, StopReason.ERROR, events, message)
         return events
 
+    # -- the loop ----------------------------------------------------------------------
+
     def iterate(self) -> list[JobEvent]:
+        """One step; returns the events of every job, in order."""
         events: list[JobEvent] = []
         self.start_pending_jobs(events)
         prefilled = self.prefill(events)
         decoded = self.decode(events)
-        if self.idle and self.settings.defrag and not self.pages.referenced:
-            self.pages.defrag()
+        self._defrag_when_drained()
         self.steps += 1
         if self.telemetry is not None:
             self._record(prefilled, decoded)
         return events
 
-    # -- admission (§3) ----------------------------------------------------------------
-
-    def _round_tokens(self, job: Job) -> int:
-        """Tokens the job may generate before its next requeue (all of them for jobs
-        with several sequences: those are never requeued)."""
-        seq = job.sequences[0]
-        remaining = job.request.max_new_tokens - len(seq.generated)
-        if job.width > 1:
-            return remaining
-        return min(remaining, self.settings.max_rq_tokens)
-
-    def _check_fits(self, request: JobRequest, prompt_len: int) -> None:
-        """Every token of a sequence must be in the cache while it runs, requeue or not."""
-        total = self.pages.pages_total(prompt_len, request.max_new_tokens)
-        full = (prompt_len - 1) // self.page_size
-        need = total + (request.width - 1) * (total - full)
-        if need > self.pages.num_pages:
-            raise CacheFullError(
-                need, self.pages.num_pages, prompt_len + request.max_new_tokens, self.page_size
-            )
-
-    def _cow_pages(self, job: Job, total: int) -> int:
-        """Pages the job's extra sequences may still copy: (width - 1) per page that is
-        not a full prompt page, less the pages it already holds beyond one table."""
-        if job.width == 1:
-            return 0
-        seq = job.sequences[0]
-        full = (len(seq.tokens) - 1) // self.page_size
-        bound = (job.width - 1) * (total - full)
-        held = job.held_pages()
-        return max(0, bound - (len(held) - total)) if held else bound
-
-    def _reserved_for_copies(self) -> int:
-        total = 0
-        for job in self.active:
-            if job.width > 1 and job.sequences[0].alloc is not None:
-                total += self._cow_pages(job, len(job.sequences[0].alloc.block_table))
-        return total
-
     def start_pending_jobs(self, events: list[JobEvent]) -> None:
-        if not self.pending:
-            return
-        slots = self.settings.max_batch_size - sum(j.width for j in self.active)
-        available = len(self.pages.unreferenced) - self._reserved_for_copies()
-        held_back = False
-        reuse = self.settings.prefix_caching
-        for job in list(self.pending):
-            if held_back:
-                job.wait_reason = "held: a job ahead of it was skipped too often and goes first"
-                continue
-            seq = job.sequences[0]
-            rq = self._round_tokens(job)
-            total = self.pages.pages_total(len(seq.tokens), rq)
-            need = self.pages.pages_needed(seq.tokens, rq, reuse) + self._cow_pages(job, total)
-            if job.width > slots:
-                job.wait_reason = f"batch full: needs {job.width} slot(s), {max(slots, 0)} free"
-            elif need > available:
-                job.wait_reason = f"not enough free pages: needs {need}, {max(available, 0)} free"
-            else:
-                self.pending.remove(job)
-                self._start(job, rq, events)
-                slots -= job.width
-                available -= need
-                continue
-            job.skips += 1
-            if job.skips >= self.settings.max_skips:
-                held_back = True
+        """Admission (§3): the scheduler starts the pending jobs that fit."""
+        self.scheduler.start_pending_jobs(events)
 
-    def _start(self, job: Job, rq: int, events: list[JobEvent]) -> None:
-        seq = job.sequences[0]
-        seq.alloc = self.pages.allocate(seq.seq_id, seq.tokens, rq, self.settings.prefix_caching)
-        seq.stored = seq.alloc.cached_tokens
-        job.prefill_start = seq.stored
-        job.wait_reason = ""
-        job.state = JobState.PREFILL
-        self.active.append(job)
-        self._note_pages(job)
-        if job.started is None:
-            job.started = self.clock()
-            job.cached_tokens = seq.alloc.cached_tokens
-            events.append(_prefill_event(job, seq, EventKind.STARTED))
+    def _defrag_when_drained(self) -> None:
+        if self.idle and self.settings.defrag and not self.pages.referenced:
+            self.pages.defrag()
 
     # -- prefill (§7 step 2) ----------------------------------------------------------
 
@@ -284,7 +201,7 @@ class Generator:
             done += end - start
             if self._next_chunk(job, seq) is None:
                 job.state = JobState.DECODE
-            events.append(_prefill_event(job, seq, EventKind.PREFILL))
+            events.append(job.prefill_event(EventKind.PREFILL))
         return done
 
     def _next_chunk(self, job: Job, seq: Sequence) -> tuple[int, int] | None:
@@ -351,27 +268,44 @@ class Generator:
         """One forward over every ready sequence, then sampling and stops.
         Returns the sequences decoded (one token each)."""
         jobs = [j for j in self.active if j.state is JobState.DECODE]
-        rows = [(job, seq) for job in jobs for seq in job.live]
+        rows = [seq for job in jobs for seq in job.live]
         if not rows:
             return 0
-        ps = self.page_size
         try:
-            for _, seq in rows:
-                self.pages.ensure_writable(seq.alloc, seq.stored // ps)
-            batch = StepBatch.build([(s.alloc.block_table, s.stored, 1) for _, s in rows], ps)
-            tokens = torch.tensor([s.tokens[s.stored] for _, s in rows])
-            logits = self.model.forward(tokens, batch, self.cache)
+            logits = self._decode_forward(rows)
         except Exception as exc:  # noqa: BLE001 - these jobs end, the loop goes on
             for job in jobs:
                 self._finish_job(job, StopReason.ERROR, events, f"decode failed: {exc}")
             return 0
-        for _, seq in rows:
+        self._mark_decoded(rows)
+        now = self.clock()
+        row_of = {id(seq): i for i, seq in enumerate(rows)}
+        self._choose_tokens(jobs, logits, row_of, events)
+        self._end_or_requeue(jobs, now, events)
+        return len(rows)
+
+    def _decode_forward(self, rows: list[Sequence]) -> torch.Tensor:
+        """Each row's next token through the model in one batch; logits [rows, vocab]."""
+        ps = self.page_size
+        for seq in rows:
+            self.pages.ensure_writable(seq.alloc, seq.stored // ps)
+        batch = StepBatch.build([(s.alloc.block_table, s.stored, 1) for s in rows], ps)
+        tokens = torch.tensor([s.tokens[s.stored] for s in rows])
+        return self.model.forward(tokens, batch, self.cache)
+
+    def _mark_decoded(self, rows: list[Sequence]) -> None:
+        ps = self.page_size
+        for seq in rows:
             seq.stored += 1
             logical = (seq.stored - 1) // ps
             fill = seq.stored - logical * ps
             self.pages.mark_filled(seq.alloc, logical, seq.tokens[logical * ps : seq.stored], fill)
-        now = self.clock()
-        row_of = {id(seq): i for i, (_, seq) in enumerate(rows)}
+
+    def _choose_tokens(
+        self, jobs: list[Job], logits: torch.Tensor, row_of: dict[int, int], events: list[JobEvent]
+    ) -> None:
+        """Sample the plain and parallel-sampling jobs in one batch, then extend each beam
+        search; a failure ends the jobs it concerns."""
         sampled_jobs = [j for j in jobs if not j.beam]
         try:
             self._sample(sampled_jobs, logits, row_of, events)
@@ -381,20 +315,23 @@ class Generator:
         for job in jobs:
             if job.beam and job.state is not JobState.DONE:
                 try:
-                    self._beam_step(job, logits, row_of, events)
+                    self._beam_step(job, logits, row_of)
                 except Exception as exc:  # noqa: BLE001
                     self._finish_job(job, StopReason.ERROR, events, f"beam search failed: {exc}")
+
+    def _end_or_requeue(self, jobs: list[Job], now: float, events: list[JobEvent]) -> None:
+        """After a decode step: a job with no live sequence ends, a job whose round's
+        pages are full goes back to the queue."""
         for job in jobs:
             if job.first_token is None:
                 job.first_token = now
             if job.state is JobState.DONE:
                 continue
-            self._note_pages(job)
+            job.note_peak_pages()
             if not job.live:
                 self._finish_job(job, None, events)
             elif job.width == 1 and self._round_full(job.sequences[0]):
-                self._requeue(job)
-        return len(rows)
+                self.scheduler.requeue(job)
 
     def _round_full(self, seq: Sequence) -> bool:
         return seq.stored >= len(seq.alloc.block_table) * self.page_size
@@ -442,7 +379,7 @@ class Generator:
         seq.generated.append(token)
         if step.finished is not None:
             seq.finished = str(step.finished)
-            self._release_sequence(seq)
+            seq.release(self.pages)
         if step.text or step.token_ids:
             events.append(
                 JobEvent(
@@ -456,104 +393,51 @@ class Generator:
                 )
             )
 
-    # -- beam search (§8) --------------------------------------------------------------
+    # -- beam search on the cache (§8) ---------------------------------------------------
 
-    def _beam_step(
-        self, job: Job, logits: torch.Tensor, row_of: dict[int, int], events: list[JobEvent]
-    ) -> None:
-        """Extend every live beam by its best continuations and keep the `width` best.
-        A beam chosen twice forks (sharing pages, copy-on-write); a beam not chosen
-        releases its pages at once. A continuation ending in a stop token, or reaching
-        max_new_tokens, becomes a finished hypothesis."""
-        width = job.request.beam_width
+    def _beam_step(self, job: Job, logits: torch.Tensor, row_of: dict[int, int]) -> None:
+        """Extend the job's beams by the continuations `select_continuations` keeps; when
+        the search ends, every live beam ends and releases its pages."""
         beams = job.live if job.forked else [job.sequences[0]]
         rows = torch.tensor([row_of[id(b)] for b in beams])
-        # Beams rank by the model's own log-probabilities: bias and penalties apply,
-        # temperature and truncation (which would make greedy settings one-hot) do not.
-        ranking = replace(job.request.sampling, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        scores = process_logits(
-            logits[rows],
-            [ranking] * len(beams),
-            [job.prompt_ids] * len(beams),
-            [b.generated for b in beams],
-        )
-        logp = torch.log_softmax(scores, dim=-1)
-        total = logp + torch.tensor([b.score for b in beams])[:, None]
-        flat = total.flatten()
-        k = min(2 * width, int(torch.isfinite(flat).sum()))
-        values, order = flat.topk(k)
-        vocab = logp.shape[1]
-        chosen: list[tuple[Sequence, int, float]] = []
-        length = len(beams[0].generated) + 1
-        lp = job.request.length_penalty
-        for rank, (value, flat_index) in enumerate(
-            zip(values.tolist(), order.tolist(), strict=True)
-        ):
-            parent, token = beams[flat_index // vocab], flat_index % vocab
-            if token in job.stop_token_ids:
-                if rank < width:
-                    hyp = BeamHypothesis(
-                        parent.generated + [token], value / length**lp, str(StopReason.STOP_TOKEN)
-                    )
-                    job.hypotheses.append(hyp)
-                continue
-            chosen.append((parent, token, value))
-            if len(chosen) == width:
-                break
+        step = select_continuations(job, beams, logits[rows])
         job.forked = True
-        at_limit = length >= job.request.max_new_tokens
-        if at_limit:
-            for parent, token, value in chosen:
-                hyp = BeamHypothesis(
-                    parent.generated + [token], value / length**lp, str(StopReason.MAX_NEW_TOKENS)
-                )
-                job.hypotheses.append(hyp)
-        if at_limit or len(job.hypotheses) >= width or not chosen:
+        if step.finished is not None:
             for b in job.live:
-                b.finished = str(StopReason.MAX_NEW_TOKENS if at_limit else StopReason.STOP_TOKEN)
-                self._release_sequence(b)
+                b.finished = str(step.finished)
+                b.release(self.pages)
             return
-        # New beams: the first continuation of a parent reuses it, the others fork it.
+        self._extend_beams(job, beams, step.keep)
+
+    def _extend_beams(self, job: Job, beams: list[Sequence], keep: list[Continuation]) -> None:
+        """The first continuation of a parent reuses it, the others fork it (sharing its
+        pages, copy-on-write); a beam with no continuation is pruned and its pages are
+        free at once."""
         used: set[int] = set()
-        plans: list[tuple[Sequence, int, float]] = []
-        for parent, token, value in chosen:
+        plans: list[tuple[Sequence, Continuation]] = []
+        for c in keep:
+            parent = c.parent
             if id(parent) in used:
                 child = self._new_sequence(job, len(job.sequences), list(parent.tokens))
                 child.generated = list(parent.generated)
                 child.alloc = self.pages.fork(parent.alloc, child.seq_id)
                 child.stored = parent.stored
                 job.sequences.append(child)
-                plans.append((child, token, value))
+                plans.append((child, c))
             else:
                 used.add(id(parent))
-                plans.append((parent, token, value))
+                plans.append((parent, c))
         for beam in beams:
             if id(beam) not in used:
-                self._release_sequence(beam)
+                beam.release(self.pages)
                 self.seq_jobs.pop(beam.seq_id, None)
-                job.sequences.remove(beam)  # pruned: its pages are free now
-        for beam, token, value in plans:
-            beam.tokens.append(token)
-            beam.generated.append(token)
-            beam.score = value
+                job.sequences.remove(beam)
+        for beam, c in plans:
+            beam.tokens.append(c.token)
+            beam.generated.append(c.token)
+            beam.score = c.score
 
     # -- ends ----------------------------------------------------------------------------
-
-    def _requeue(self, job: Job) -> None:
-        """The round's pages are full: give them back (their content stays cached) and
-        go to the front of the queue with everything so far as the prompt (§7)."""
-        seq = job.sequences[0]
-        self._release_sequence(seq)
-        self.active.remove(job)
-        job.state = JobState.PENDING
-        job.requeues += 1
-        job.skips = 0
-        self.pending.appendleft(job)
-
-    def _release_sequence(self, seq: Sequence) -> None:
-        if seq.alloc is not None:
-            self.pages.release(seq.alloc)
-            seq.alloc = None
 
     def _finish_job(
         self, job: Job, reason: StopReason | None, events: list[JobEvent], error: str = ""
@@ -571,12 +455,9 @@ class Generator:
                             )
                         )
                 seq.finished = str(reason)
-            self._release_sequence(seq)
+            seq.release(self.pages)
             self.seq_jobs.pop(seq.seq_id, None)
-        if job in self.active:
-            self.active.remove(job)
-        if job in self.pending:
-            self.pending.remove(job)
+        self.scheduler.remove(job)
         job.state = JobState.DONE
         self.jobs.pop(job.job_id, None)
         result = self._result(job, reason, error)
@@ -602,10 +483,7 @@ class Generator:
             error=error,
         )
         if job.beam and job.hypotheses and reason is None:
-            ranked = sorted(job.hypotheses, key=lambda h: h.score, reverse=True)[
-                : job.request.beam_width
-            ]
-            for hyp in ranked:
+            for hyp in best_hypotheses(job):
                 ids = [t for t in hyp.generated if t not in job.stop_token_ids]
                 result.texts.append(_cut_at_stop(tokenizer.decode(ids), job.request.stop_strings))
                 result.token_ids.append(hyp.generated)
@@ -655,9 +533,6 @@ class Generator:
             )
         return seq
 
-    def _note_pages(self, job: Job) -> None:
-        job.peak_pages = max(job.peak_pages, len(job.held_pages()))
-
     def _record(self, prefilled: int, decoded: int) -> None:
         stats = self.pages.stats()
         self.telemetry.record(
@@ -684,11 +559,6 @@ class _NoText:
 
     def decode(self, ids) -> str:
         return ""
-
-
-def _prefill_event(job: Job, seq: Sequence, kind: EventKind) -> JobEvent:
-    """A started or prefill-progress event: how much of the prompt is in the cache."""
-    return JobEvent(job.job_id, kind, prefill_done=seq.stored, prefill_total=len(seq.tokens), tag=job.tag)
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -1,4 +1,4 @@
-"""A request's life in the generator (ENGINE_SPEC §7, §8).
+"""A request's life in the generator (docs/ENGINE.md §7, §8).
 
 `JobRequest` is what a caller asks for; `Job` is the generator's record of it: its
 sequences on the cache, its place in the queues and its timings. A `Sequence` is one
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.cache.page_table import Allocation
+from engine.cache.page_table import Allocation, PageTable
 from engine.generator.sampler import SamplingSettings
 from engine.generator.stops import StopHandler
 
@@ -152,6 +152,12 @@ class Sequence:
     score: float = 0.0  # beam search: sum of log-probabilities
     finished: str = ""
 
+    def release(self, pages: PageTable) -> None:
+        """Give the sequence's pages back (what they hold stays cached)."""
+        if self.alloc is not None:
+            pages.release(self.alloc)
+            self.alloc = None
+
 
 @dataclass
 class BeamHypothesis:
@@ -195,6 +201,16 @@ class Job:
     def held_pages(self) -> set[int]:
         """Distinct physical pages the job's sequences hold now (shared ones once)."""
         return {p for s in self.sequences if s.alloc is not None for p in s.alloc.block_table}
+
+    def note_peak_pages(self) -> None:
+        self.peak_pages = max(self.peak_pages, len(self.held_pages()))
+
+    def prefill_event(self, kind: EventKind) -> JobEvent:
+        """A started or prefill-progress event: how much of the prompt is in the cache."""
+        seq = self.sequences[0]
+        return JobEvent(
+            self.job_id, kind, prefill_done=seq.stored, prefill_total=len(seq.tokens), tag=self.tag
+        )
 
     @property
     def tag(self) -> Any:

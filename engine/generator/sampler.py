@@ -1,4 +1,4 @@
-"""Token sampling for the continuous-batching generator (ENGINE_SPEC §7).
+"""Token sampling for the continuous-batching generator (docs/ENGINE.md §7).
 
 Every row of a batch has its own `SamplingSettings` and its own random generator.
 The logits pipeline runs vectorised over [B, V]; the only per-row Python is one

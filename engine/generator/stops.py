@@ -3,7 +3,7 @@
 One ``StopHandler`` per sequence. The generator feeds it each sampled token id and emits the
 ``StopStep`` it returns; when ``step.finished`` is set the sequence is over.
 
-Conditions (ENGINE_SPEC §7), checked for every token in this order:
+Conditions (docs/ENGINE.md §7), checked for every token in this order:
 
 1. Stop token: the id is in ``stop_token_ids``. It ends the sequence, is kept in ``token_ids``
    and adds no text.
@@ -15,7 +15,7 @@ Conditions (ENGINE_SPEC §7), checked for every token in this order:
    does not wait to see whether "bcd" would have completed.
 3. ``max_new_tokens``: exactly that many tokens are accepted; the last one's text is emitted.
 
-Stop strings come before ``max_new_tokens`` although §7 lists them after it: when the last
+Stop strings come before ``max_new_tokens`` (docs/ENGINE.md §7 lists them in this order): when the last
 allowed token completes a stop string the text is cut at the match, and the reason has to say
 so -- "max_new_tokens" would claim the text is the decode of every token. (vLLM orders them the
 same way.) A stop token on the last allowed step wins over ``max_new_tokens``, as §7 says.

@@ -7,21 +7,14 @@ can be shown as is. See docs/ARCHITECTURE.md ("engine/hub") for the whole pictur
 
 - ``remote``: search, a repository's GGUF files / safetensors folder, header peeks
 - ``fit``: weights + KV cache against free RAM or VRAM (Fits / Tight / Won't fit)
-- ``download``: resumable, verified downloads and the queue
+- ``gguf_info``: what a GGUF header tells before download (architecture, quant, weight bytes)
+- ``transfer``: one resumable, verified download, and what unfinished ones left on disk
+- ``downloads``: the download queue and its worker thread
 - ``library``: local models (models folder, HF cache, imports), delete, import
 - ``token``: the access token for gated repositories
 """
 
-from engine.hub.download import (
-    CancelToken,
-    DownloadManager,
-    DownloadProgress,
-    DownloadRequest,
-    DownloadState,
-    discard_partial,
-    download_model,
-    pending_downloads,
-)
+from engine.hub.downloads import DownloadManager
 from engine.hub.errors import (
     DiskFullError,
     DownloadCancelled,
@@ -70,6 +63,15 @@ from engine.hub.remote import (
     shape_from_summary,
 )
 from engine.hub.token import TokenSaved, clear_token, load_token, save_token
+from engine.hub.transfer import (
+    CancelToken,
+    DownloadProgress,
+    DownloadRequest,
+    DownloadState,
+    discard_partial,
+    download_model,
+    pending_downloads,
+)
 
 __all__ = [
     "CachePlan",

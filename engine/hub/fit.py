@@ -1,13 +1,15 @@
 """Will a model fit? Folio's own arithmetic: weights + KV cache + a margin, against free memory.
 
-KV bytes per token are the page pool's own: an unquantized cache stores
+KV bytes per token are the page pool's own, priced by the cache's formats
+(``engine.cache.formats.kv_bytes_per_token``): an unquantized cache stores
 ``layers * kv_heads * head_dim`` values for each of K and V at 4 (fp32) or 2 (fp16/bf16)
-bytes; a quantized K or V is priced by the engine's formats (``engine.cache.kv_cache.
-kv_formats``: groups of 32 values as ``b``-bit codes plus fp16 parameters per group, about
-``b/8 + 4/32`` bytes per value), so the estimate follows the engine when its formats change.
-The cache is allocated in whole pages, so the context is rounded up to the page size.
+bytes; a quantized K or V groups 32 values as ``b``-bit codes plus fp16 parameters per
+group, about ``b/8 + 4/32`` bytes per value. So the estimate follows the engine when its
+formats change. The cache is allocated in whole pages, so the context is rounded up to the
+page size.
 
-This module imports torch only for a quantized cache or CUDA memory.
+This module imports torch (and the cache) only when KV bytes or CUDA memory are asked for,
+so that importing the hub stays light.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ __all__ = [
     "kv_bytes_per_token",
 ]
 
-GROUP_SIZE = 32  # kernels/kvquant.py
 # Activations, the tokenizer, Python and torch themselves: a floor under every estimate.
 RUNTIME_OVERHEAD_BYTES = 300 * 1024**2
 # "Fits" leaves a fifth of the free memory to the rest of the system; between that and
@@ -74,22 +75,17 @@ def kv_bytes_per_token(
     v_bits: int | None = None,
     dense_bytes: int = 4,
 ) -> int:
-    """Bytes one token takes in the KV cache, over all layers, K and V together."""
-    dense = kv_heads * head_dim * dense_bytes
-    k = v = dense
-    if k_bits is not None or v_bits is not None:
-        if head_dim % GROUP_SIZE:
-            raise ValueError(
-                f"a quantized KV cache needs head_dim to be a multiple of {GROUP_SIZE}, got {head_dim}"
-            )
-        from engine.cache.kv_cache import kv_formats
+    """Bytes one token takes in the KV cache, over all layers, K and V together; an
+    unquantized K or V stores ``dense_bytes`` per value (4: fp32, 2: fp16/bf16)."""
+    import torch
 
-        fmt_k, fmt_v = kv_formats(k_bits, v_bits)
-        if k_bits is not None:
-            k = fmt_k.bytes_per_token(kv_heads, head_dim)
-        if v_bits is not None:
-            v = fmt_v.bytes_per_token(kv_heads, head_dim)
-    return num_layers * (k + v)
+    from engine.cache import formats
+
+    dense = {4: torch.float32, 2: torch.float16}.get(dense_bytes)
+    if dense is None:
+        raise ValueError("an unquantized KV cache stores 2 or 4 bytes per value")
+    kv = formats.kv_formats(k_bits, v_bits, dense)
+    return formats.kv_bytes_per_token(num_layers, kv_heads, head_dim, kv)
 
 
 @dataclass(frozen=True)

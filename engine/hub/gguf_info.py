@@ -2,12 +2,12 @@
 
 Two sources give the same :class:`GGUFSummary`:
 
-* :func:`summary_from_prefix` parses the first bytes of a remote file (an HTTP Range
+* :func:`summary_from_prefix` reads the first bytes of a remote file (an HTTP Range
   read): the metadata and tensor directory sit at the start of a GGUF file, so a few MB
   tell the architecture, layer and head counts and every tensor's type without
-  downloading the weights. The parser follows :class:`engine.model.gguf_file.GGUFFile`
-  (same value types, same torch-order shapes) but stops cleanly where the bytes end.
-* :func:`summary_from_file` reads a local file with ``GGUFFile`` itself.
+  downloading the weights. The loader's parser (:func:`engine.model.gguf_file.read_header`)
+  reads them and says when the bytes end before the header does.
+* :func:`summary_from_file` reads a local file with ``GGUFFile``.
 
 The quantization named in a file name (``...Q4_K_M.gguf``) is parsed by
 :func:`quant_from_filename`; the header's ``general.file_type`` confirms it.
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import functools
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 
 from engine.model.config import SUPPORTED_ARCHITECTURES
-from engine.model.gguf_file import SCALAR_FORMATS
+from engine.model.gguf_file import GGUFError, GGUFFile, TensorInfo, read_header
 
 __all__ = [
     "GGUFSummary",
@@ -101,116 +100,28 @@ class GGUFSummary:
     def supported(self) -> bool:
         return self.problem is None
 
-    @property
-    def kv_dims_known(self) -> bool:
-        return None not in (self.num_layers, self.num_kv_heads, self.head_dim)
-
-
-class _OutOfBytes(Exception):
-    pass
-
-
-class _PrefixReader:
-    """Reads GGUF values from a byte prefix; raises _OutOfBytes where the prefix ends."""
-
-    _SCALARS = SCALAR_FORMATS
-
-    def __init__(self, data: bytes):
-        self.data = memoryview(data)
-        self.pos = 0
-
-    def need(self, n: int) -> None:
-        if self.pos + n > len(self.data):
-            raise _OutOfBytes
-
-    def scalar(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        self.need(size)
-        value = struct.unpack_from(fmt, self.data, self.pos)[0]
-        self.pos += size
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        self.need(n)
-        raw = bytes(self.data[self.pos : self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        vtype = GGUFValueType(vtype)
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            etype = GGUFValueType(self.scalar("<I"))
-            count = self.scalar("<Q")
-            if etype in self._SCALARS:
-                dtype = np.dtype(self._SCALARS[etype])
-                self.need(count * dtype.itemsize)
-                values = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.pos).copy()
-                self.pos += count * dtype.itemsize
-                return values
-            return [self.value(etype) for _ in range(count)]
-        return self.scalar(self._SCALARS[vtype])
-
-
-def _parse_prefix(
-    data: bytes,
-) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int]] | None]:
-    """Metadata read so far and the tensor directory (None if the prefix ends before it does)."""
-    if len(data) < 4 or bytes(data[:4]) != b"GGUF":
-        raise ValueError("not a GGUF file (bad magic bytes)")
-    r = _PrefixReader(data)
-    r.pos = 4
-    meta: dict[str, Any] = {}
-    try:
-        version = r.scalar("<I")
-        if version not in (2, 3):
-            raise ValueError(
-                f"GGUF version {version} is not supported (Folio reads versions 2 and 3)"
-            )
-        n_tensors = r.scalar("<Q")
-        n_kv = r.scalar("<Q")
-        if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise ValueError("the header is damaged (absurd tensor or key counts)")
-        for _ in range(n_kv):
-            key = r.string()
-            meta[key] = r.value(r.scalar("<I"))
-        tensors = []
-        for _ in range(n_tensors):
-            name = r.string()
-            dims = [r.scalar("<Q") for _ in range(r.scalar("<I"))]
-            qtype = r.scalar("<I")
-            r.scalar("<Q")  # offset: not needed for a summary
-            tensors.append((name, tuple(reversed(dims)), qtype))
-    except _OutOfBytes:
-        return meta, None
-    return meta, tensors
-
 
 def summary_from_prefix(data: bytes, source: str) -> tuple[GGUFSummary, bool]:
     """Summary of a GGUF file from its first bytes; the flag is True when the whole header fit."""
     try:
-        meta, tensors = _parse_prefix(data)
-    except (ValueError, struct.error) as exc:
-        return _broken(source, str(exc)), True
-    return summary_from_metadata(meta, tensors, source), tensors is not None
+        header = read_header(data, source)
+    except GGUFError as exc:
+        return _broken(str(exc)), True
+    tensors = None if header.tensors is None else list(header.tensors.values())
+    return summary_from_metadata(header.metadata, tensors, source), header.complete
 
 
 def summary_from_file(path: str | Path) -> GGUFSummary:
     """Summary of a local GGUF file (raises GGUFError for a damaged or truncated file)."""
-    from engine.model.gguf_file import GGUFFile
-
     gf = GGUFFile(path)
     try:
-        tensors = [(t.name, t.shape, t.qtype) for t in gf.tensors.values()]
-        return summary_from_metadata(gf.metadata, tensors, str(path))
+        return summary_from_metadata(gf.metadata, list(gf.tensors.values()), str(path))
     finally:
         gf.close()
 
 
-def _broken(source: str, why: str) -> GGUFSummary:
-    return GGUFSummary("", None, None, None, None, None, problem=f"{source}: {why}")
+def _broken(problem: str) -> GGUFSummary:
+    return GGUFSummary("", None, None, None, None, None, problem=problem)
 
 
 def _int(value: Any) -> int | None:
@@ -221,7 +132,7 @@ def _int(value: Any) -> int | None:
 
 
 def summary_from_metadata(
-    meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...], int]] | None, source: str
+    meta: dict[str, Any], tensors: list[TensorInfo] | None, source: str
 ) -> GGUFSummary:
     arch = str(meta.get("general.architecture", ""))
     heads = _int(meta.get(f"{arch}.attention.head_count"))
@@ -239,9 +150,9 @@ def summary_from_metadata(
         problem = f"architecture {arch or '(none)'!r} is not supported; Folio runs {', '.join(SUPPORTED_ARCHITECTURES)}"
     if tensors is not None:
         types = {}
-        for _, _, qtype in tensors:
-            types[_type_name(qtype)] = types.get(_type_name(qtype), 0) + 1
-        unsupported = sorted({_type_name(q) for _, _, q in tensors} - _supported_type_names())
+        for t in tensors:
+            types[_type_name(t.qtype)] = types.get(_type_name(t.qtype), 0) + 1
+        unsupported = sorted(set(types) - _supported_type_names())
         if unsupported and problem is None:
             problem = (
                 f"tensor type {', '.join(unsupported)} is not supported; Folio reads "
@@ -284,9 +195,7 @@ def _int4_type_ids() -> frozenset[int]:
     return frozenset(int(t) for t in INT4_TYPES)
 
 
-def estimate_weight_bytes(
-    tensors: list[tuple[str, tuple[int, ...], int]], weight_mode: str = "int4"
-) -> int:
+def estimate_weight_bytes(tensors: list[TensorInfo], weight_mode: str = "int4") -> int:
     """Resident bytes of the weights after Folio's loader (engine/model/loader.py) has run.
 
     Q4_0 / Q4_1 / Q4_K projections stay int4 in ``int4`` mode; everything else (the
@@ -296,9 +205,10 @@ def estimate_weight_bytes(
     estimate: a few percent either way.
     """
     total = 0.0
-    names = {name for name, _, _ in tensors}
+    names = {t.name for t in tensors}
     batchable = 0  # values of the int4 projections and the head: what gets a bf16 copy
-    for name, shape, qtype in tensors:
+    for t in tensors:
+        name, shape, qtype = t.name, t.shape, t.qtype
         n = int(np.prod(shape)) if shape else 1
         int4 = (
             weight_mode == "int4"

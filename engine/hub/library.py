@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import paths
-from engine.hub.download import FOLDER_MARKER, INCOMPLETE_SUFFIX, REQUEST_PREFIX, _read_stamp
 from engine.hub.errors import HubError, ModelValidationError
 from engine.hub.gguf_info import quant_from_filename, summary_from_file
+from engine.hub.transfer import FOLDER_MARKER, INCOMPLETE_SUFFIX, REQUEST_PREFIX, read_stamp
 from engine.model.fetch import STAMP_SUFFIX
+from engine.units import format_bytes
 
 __all__ = [
     "DeleteResult",
@@ -261,7 +262,7 @@ def _describe(path: Path, source: str, repo_id: str | None = None) -> LocalModel
             verified=bool(marker), problem=problem,
         )  # fmt: skip
     arch, quant, problem = _gguf_facts(path)
-    stamp = _read_stamp(path)
+    stamp = read_stamp(path)
     return LocalModel(
         path, path.stem, "gguf", source, path.stat().st_size,
         repo_id=repo_id or (stamp or {}).get("repo_id"), quant=quant, architecture=arch,
@@ -365,7 +366,7 @@ def delete_model(
         usage = _read_json(base / USAGE_FILE, {})
         if usage.pop(str(path.absolute()), None) is not None:
             _write_json(base / USAGE_FILE, usage)
-    return DeleteResult(freed, f"deleted {model.name}: {freed / 1e6:,.0f} MB freed")
+    return DeleteResult(freed, f"deleted {model.name}: {format_bytes(freed, 'MB')} freed")
 
 
 def _unlink_size(path: Path) -> int:

@@ -71,9 +71,14 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-    @property
-    def kv_bytes_per_token_fp32(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, k_bits: int | None = None, v_bits: int | None = None) -> int:
+        """Bytes one token's K and V take over all layers in a cache of these widths
+        (None: fp32), as the cache's formats price them."""
+        # imported here: the hub reads configs without loading torch
+        from engine.cache.formats import kv_bytes_per_token, kv_formats
+
+        formats = kv_formats(k_bits, v_bits)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, formats)
 
     # -- constructors ----------------------------------------------------------------
     @classmethod

@@ -29,8 +29,9 @@ Command line (also handy without the ``folio`` CLI)::
     python -m engine.model.fetch fetch-gemma3
     python -m engine.model.fetch check-default   # exit 0 if present, 1 if not
 
-This module imports only the standard library and ``engine.paths`` (which needs only
-``platformdirs``), so the installer's check can load it straight from its file.
+This module imports only the standard library, ``engine.paths`` (which needs only
+``platformdirs``) and ``engine.units``, so the installer's check can load it straight
+from its file.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import paths
+from engine.units import format_bytes
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -218,10 +220,6 @@ def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB"
-
-
 def _free_bytes(path: Path) -> int | None:
     try:
         return shutil.disk_usage(path).free
@@ -241,8 +239,8 @@ def _needed_bytes(source: ModelSource) -> int | None:
 def _disk_full_error(source: ModelSource, where: Path) -> FetchError:
     need = _needed_bytes(source)
     free = _free_bytes(where)
-    need_s = f"about {_mb(need)}" if need else "more space"
-    free_s = f" ({_mb(free)} free now)" if free is not None else ""
+    need_s = f"about {format_bytes(need, 'MB')}" if need else "more space"
+    free_s = f" ({format_bytes(free, 'MB')} free now)" if free is not None else ""
     return FetchError(
         f"not enough disk space to fetch {source.filename}: it needs {need_s} free in "
         f"{where}{free_s}. Free some space there or set FOLIO_MODELS_DIR to a folder "

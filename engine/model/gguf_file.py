@@ -1,11 +1,17 @@
-"""A fast, read-only view of a GGUF file.
+"""A fast, read-only view of a GGUF file, and the header parser behind it.
 
 `gguf.GGUFReader` builds a Python object for every element of every metadata array,
 which takes ~4 s for SmolLM2's 49k-token vocabulary and ~11 s for Gemma 3's 262k.
-Folio needs to load a model in a couple of seconds, so this reader parses the header
-with `struct` and numpy in one pass and maps tensor data with `np.memmap`, while the
-`gguf` package still supplies the format's constants (value and tensor types, block
-sizes). Tests check this reader against `gguf.GGUFReader`.
+Folio needs to load a model in a couple of seconds, so :func:`read_header` parses the
+header with `struct` and numpy in one pass and :class:`GGUFFile` maps tensor data with
+`mmap`, while the `gguf` package still supplies the format's constants (value and tensor
+types, block sizes). Tests check this reader against `gguf.GGUFReader`.
+
+:func:`read_header` works over any bytes-like buffer: a local file's mapping, or the
+first bytes of a remote file fetched with HTTP Range reads (engine/hub/remote.py). Where
+the buffer ends before the header does it says so (``GGUFHeader.complete`` is False)
+instead of failing: for a prefix that means "read more bytes", for a whole file that the
+file is truncated.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+__all__ = ["GGUFError", "GGUFFile", "GGUFHeader", "TensorInfo", "read_header"]
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+# Magic, version and the two counts: a file shorter than this cannot be a model.
+MIN_HEADER_BYTES = 24
 
 SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -38,6 +48,11 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
 _NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
     vt: np.dtype(fmt) for vt, fmt in SCALAR_FORMATS.items()
 }
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+# A buffer read_header accepts: slicing gives bytes (mmap, bytes) or bytearray.
+Buffer = bytes | bytearray | mmap.mmap
 
 
 class GGUFError(ValueError):
@@ -59,9 +74,155 @@ class TensorInfo:
         except ValueError:
             return f"unknown type {self.qtype}"
 
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the start of a GGUF file says: format version, metadata, tensor directory.
+
+    ``tensors`` is None when the buffer ended before the tensor directory did; then
+    ``metadata`` holds the keys read up to that point (``version`` is None when the
+    buffer ended even before it).
+    """
+
+    version: int | None
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo] | None
+
     @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+    def complete(self) -> bool:
+        return self.tensors is not None
+
+
+class _OutOfBytes(Exception):
+    """The buffer ends before the header does."""
+
+
+class _HeaderReader:
+    """Reads GGUF values from ``buf`` at ``pos``; raises _OutOfBytes where ``buf`` ends."""
+
+    def __init__(self, buf: Buffer, pos: int = 0):
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = pos
+
+    def _need(self, n: int) -> None:
+        if self.pos + n > self.size:
+            raise _OutOfBytes
+
+    def u32(self) -> int:
+        self._need(4)
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return value
+
+    def u64(self) -> int:
+        self._need(8)
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return value
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size)
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        length = self.u64()
+        self._need(length)
+        raw = self.buf[self.pos : self.pos + length]
+        self.pos += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        vtype = GGUFValueType(vtype)
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            return self.array()
+        return self.scalar(SCALAR_FORMATS[vtype])
+
+    def array(self) -> Any:
+        etype = GGUFValueType(self.u32())
+        count = self.u64()
+        if etype in _NUMPY_DTYPES:
+            dtype = _NUMPY_DTYPES[etype]
+            self._need(count * dtype.itemsize)
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return values
+        if etype == GGUFValueType.STRING:
+            return self.string_array(count)
+        return [self.value(etype) for _ in range(count)]
+
+    def string_array(self, count: int) -> list[str]:
+        # The vocabulary: tens of thousands of strings, so the loop keeps to locals.
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _OutOfBytes
+            (length,) = unpack(buf, pos)
+            pos += 8
+            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        if pos > size:
+            raise _OutOfBytes
+        self.pos = pos
+        return out
+
+
+def read_header(buf: Buffer, source: str) -> GGUFHeader:
+    """Parse the header at the start of ``buf``: a whole file's mapping or a downloaded prefix.
+
+    Raises :class:`GGUFError` naming ``source`` for a buffer that is not a usable GGUF
+    header (bad magic, unsupported version, damaged values); a buffer that merely ends
+    too soon gives an incomplete :class:`GGUFHeader`.
+    """
+
+    def fail(problem: str) -> GGUFError:
+        return GGUFError(f"{source}: {problem}")
+
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise fail("not a GGUF file (bad magic bytes); choose a .gguf model file")
+    r = _HeaderReader(buf, 4)
+    version = None
+    metadata: dict[str, Any] = {}
+    try:
+        version = r.u32()
+        if version not in (2, 3):
+            raise fail(f"GGUF version {version} is not supported (Folio reads versions 2 and 3)")
+        n_tensors = r.u64()
+        n_kv = r.u64()
+        if n_tensors > 1_000_000 or n_kv > 1_000_000:
+            raise fail("the header is damaged (absurd tensor or key counts): download the file again")
+        for _ in range(n_kv):
+            key = r.string()
+            metadata[key] = r.value(r.u32())
+        directory = []
+        for _ in range(n_tensors):
+            name = r.string()
+            dims = [r.u64() for _ in range(r.u32())]
+            qtype = r.u32()
+            directory.append((name, tuple(reversed(dims)), qtype, r.u64()))
+    except _OutOfBytes:
+        return GGUFHeader(version, metadata, None)
+    except ValueError as exc:  # a value or array type that GGUF does not define
+        if isinstance(exc, GGUFError):
+            raise
+        raise fail(f"the header is damaged ({exc}): download the file again") from exc
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int | np.integer) or alignment <= 0:
+        raise fail(f"the header is damaged (alignment {alignment!r}): download the file again")
+    alignment = int(alignment)
+    data_start = (r.pos + alignment - 1) // alignment * alignment
+    tensors = {
+        name: TensorInfo(name, shape, qtype, data_start + offset, _tensor_nbytes(shape, qtype))
+        for name, shape, qtype, offset in directory
+    }
+    return GGUFHeader(version, metadata, tensors)
 
 
 class GGUFFile:
@@ -73,111 +234,30 @@ class GGUFFile:
             self._file = open(self.path, "rb")
         except OSError as exc:
             raise GGUFError(f"{self.path}: cannot open the model file ({exc.strerror})") from exc
-        self.file_size = self.path.stat().st_size
-        if self.file_size < 24:
-            self._fail("the file is too small to be a GGUF model (truncated or empty)")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        self._pos = 0
         try:
-            self._parse()
-        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
-            if isinstance(exc, GGUFError):
-                raise
-            self._fail(f"the header is cut short or damaged ({exc}); the file is probably truncated: download it again")
+            self.file_size = self.path.stat().st_size
+            if self.file_size < MIN_HEADER_BYTES:
+                self._fail("the file is too small to be a GGUF model (truncated or empty)")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            header = read_header(self._map, str(self.path))
+            if header.tensors is None:
+                self._fail("the header is cut short; the file is truncated: download it again")
+            for info in header.tensors.values():
+                if info.offset + info.nbytes > self.file_size:
+                    self._fail(
+                        f"the file is truncated: tensor {info.name!r} ends at byte "
+                        f"{info.offset + info.nbytes:,} but the file has only "
+                        f"{self.file_size:,} bytes; download it again"
+                    )
+        except BaseException:
+            self._file.close()
+            raise
+        self.version: int = header.version
+        self.metadata: dict[str, Any] = header.metadata
+        self.tensors: dict[str, TensorInfo] = header.tensors
 
-    # -- parsing -------------------------------------------------------------------
     def _fail(self, problem: str) -> None:
         raise GGUFError(f"{self.path}: {problem}")
-
-    def _read(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        if self._pos + size > self.file_size:
-            self._fail("the header is cut short; the file is truncated: download it again")
-        value = struct.unpack_from(fmt, self._map, self._pos)[0]
-        self._pos += size
-        return value
-
-    def _read_string(self) -> str:
-        length = self._read("<Q")
-        if self._pos + length > self.file_size:
-            self._fail("the header is cut short; the file is truncated: download it again")
-        raw = self._map[self._pos : self._pos + length]
-        self._pos += length
-        return raw.decode("utf-8", errors="replace")
-
-    def _read_value(self, vtype: int) -> Any:
-        vtype = GGUFValueType(vtype)
-        if vtype == GGUFValueType.STRING:
-            return self._read_string()
-        if vtype == GGUFValueType.ARRAY:
-            return self._read_array()
-        return self._read(SCALAR_FORMATS[vtype])
-
-    def _read_array(self) -> Any:
-        etype = GGUFValueType(self._read("<I"))
-        count = self._read("<Q")
-        if etype in _NUMPY_DTYPES:
-            dtype = _NUMPY_DTYPES[etype]
-            end = self._pos + count * dtype.itemsize
-            if end > self.file_size:
-                self._fail("the header is cut short; the file is truncated: download it again")
-            values = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos).copy()
-            self._pos = end
-            return values
-        if etype == GGUFValueType.STRING:
-            return self._read_string_array(count)
-        return [self._read_value(etype) for _ in range(count)]
-
-    def _read_string_array(self, count: int) -> list[str]:
-        buf, pos, size = self._map, self._pos, self.file_size
-        unpack = struct.Struct("<Q").unpack_from
-        out = []
-        for _ in range(count):
-            if pos + 8 > size:
-                self._fail("the header is cut short; the file is truncated: download it again")
-            (length,) = unpack(buf, pos)
-            pos += 8
-            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
-            pos += length
-        if pos > size:
-            self._fail("the header is cut short; the file is truncated: download it again")
-        self._pos = pos
-        return out
-
-    def _parse(self) -> None:
-        if self._map[:4] != GGUF_MAGIC:
-            self._fail("not a GGUF file (bad magic bytes); choose a .gguf model file")
-        self._pos = 4
-        self.version = self._read("<I")
-        if self.version not in (2, 3):
-            self._fail(f"GGUF version {self.version} is not supported (Folio reads versions 2 and 3)")
-        n_tensors = self._read("<Q")
-        n_kv = self._read("<Q")
-        if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            self._fail("the header is damaged (absurd tensor or key counts)")
-        self.metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = self._read_string()
-            self.metadata[key] = self._read_value(self._read("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = self._read_string()
-            n_dims = self._read("<I")
-            dims = [self._read("<Q") for _ in range(n_dims)]
-            qtype = self._read("<I")
-            offset = self._read("<Q")
-            infos.append((name, tuple(reversed(dims)), qtype, offset))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = (self._pos + alignment - 1) // alignment * alignment
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, shape, qtype, offset in infos:
-            info = TensorInfo(name, shape, qtype, data_start + offset, _tensor_nbytes(shape, qtype))
-            if info.offset + info.nbytes > self.file_size:
-                self._fail(
-                    f"the file is truncated: tensor {name!r} ends at byte {info.offset + info.nbytes:,} "
-                    f"but the file has only {self.file_size:,} bytes; download it again"
-                )
-            self.tensors[name] = info
 
     # -- access --------------------------------------------------------------------
     @property

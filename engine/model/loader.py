@@ -53,7 +53,7 @@ class LoadedModel:
     quant_types: dict[str, int] = field(default_factory=dict)  # type name -> tensor count
     tokenizer: object | None = None
     # engine.cache.kv_cache.KeyCalibration: the pre-RoPE key means of a quantized K cache,
-    # computed by the first such cache (KVCache.for_model) and shared by the later ones
+    # computed for the first such cache (engine.model.calibration) and shared by later ones
     key_calibration: object | None = None
 
     @property

@@ -1,1 +1,1 @@
-"""The Models window's tabs (gui/models_dialog.py): Discover, Downloads, My models."""
+"""The Models window's tabs (gui/model_manager.py): Discover, Downloads, My models."""

@@ -1,18 +1,15 @@
-"""What the Models window's tabs share: off-thread calls, byte counts in words, chips.
+"""What the Models window's tabs share: errors and byte counts in words, chips, tables.
 
 Every Hub call (search, a repository's listing, a header peek) and every disk scan can
-block for seconds, so none runs on the UI thread: :class:`TaskRunner` runs it on a
-thread pool and hands the outcome back to the UI thread through a queued signal.
+block for seconds, so none runs on the UI thread: the tabs run them with
+`gui.worker.TaskRunner`, which reports failures with :func:`plain_error`.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable
-from typing import Any
 
-from PySide6.QtCore import QObject, Qt, QThreadPool, Signal, Slot
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QLabel,
@@ -38,84 +35,6 @@ def plain_error(exc: BaseException) -> str:
         return str(explain(exc))
     except Exception:  # noqa: BLE001 - the message itself must never crash the window
         return f"{type(exc).__name__}: {exc}"
-
-
-class TaskRunner(QObject):
-    """Runs blocking calls on its own thread pool; results come back on the UI thread.
-
-    Calls share a *channel* ("search", "listing", ...): only the newest call of a
-    channel reports, so a slow answer to an old search never overwrites a newer one.
-    """
-
-    busy_changed = Signal(bool)
-    # internal: (ticket, result, error text or None), emitted on a pool thread
-    _finished = Signal(int, object, object)
-
-    def __init__(self, parent: QObject | None = None, max_threads: int = 2):
-        super().__init__(parent)
-        self.pool = QThreadPool(self)
-        self.pool.setMaxThreadCount(max_threads)
-        self._tickets = itertools.count(1)
-        self._pending: dict[int, tuple[str, Callable[[Any], None], Callable[[str], None]]] = {}
-        self._latest: dict[str, int] = {}
-        self._finished.connect(self._on_finished, Qt.ConnectionType.QueuedConnection)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._pending)
-
-    def run(
-        self,
-        channel: str,
-        work: Callable[[], Any],
-        on_done: Callable[[Any], None],
-        on_error: Callable[[str], None],
-    ) -> int:
-        ticket = next(self._tickets)
-        was_busy = self.busy
-        self._pending[ticket] = (channel, on_done, on_error)
-        self._latest[channel] = ticket
-
-        def call() -> None:  # on a pool thread
-            try:
-                result = work()
-            except Exception as exc:  # noqa: BLE001 - reported in words, never raised
-                self._finished.emit(ticket, None, plain_error(exc))
-                return
-            self._finished.emit(ticket, result, None)
-
-        self.pool.start(call)
-        if not was_busy:
-            self.busy_changed.emit(True)
-        return ticket
-
-    @Slot(int, object, object)
-    def _on_finished(self, ticket: int, result: Any, error: str | None) -> None:
-        channel, on_done, on_error = self._pending.pop(ticket)
-        if not self.busy:
-            self.busy_changed.emit(False)
-        if self._latest.get(channel) != ticket:
-            return  # superseded by a newer call on the same channel
-        if error is not None:
-            on_error(error)
-        else:
-            on_done(result)
-
-    def wait(self, timeout_ms: int = 5000) -> bool:
-        return self.pool.waitForDone(timeout_ms)
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Decimal units, as the Hub and disk vendors count them."""
-    if n is None:
-        return "?"
-    if abs(n) >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    if abs(n) >= 1e6:
-        return f"{n / 1e6:.1f} MB"
-    if abs(n) >= 1e3:
-        return f"{n / 1e3:.0f} KB"
-    return f"{int(n)} B"
 
 
 def fmt_count(n: int | None) -> str:

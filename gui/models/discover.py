@@ -51,17 +51,18 @@ from engine.hub.remote import (
     shape_from_hf_config,
     shape_from_summary,
 )
+from engine.units import format_bytes
 from gui.models.common import (
-    TaskRunner,
     busy_bar,
     chip,
-    fmt_bytes,
     fmt_count,
     make_table,
     message_label,
+    plain_error,
     set_message,
     table_item,
 )
+from gui.worker import TaskRunner
 
 SORTS = (("Most downloads", SearchSort.DOWNLOADS), ("Most likes", SearchSort.LIKES),
          ("Recently updated", SearchSort.UPDATED))  # fmt: skip
@@ -133,16 +134,16 @@ def fit_arithmetic(fit: FitEstimate, plan: CachePlan, extra_note: str = "") -> s
     """The tooltip of a fit chip: every term of the sum, so the label can be checked."""
     k = f"{plan.k_bits}-bit" if plan.k_bits else "fp32"
     v = f"{plan.v_bits}-bit" if plan.v_bits else "fp32"
-    lines = [f"weights {fmt_bytes(fit.weight_bytes)}"]
+    lines = [f"weights {format_bytes(fit.weight_bytes)}"]
     if fit.kv_bytes:
         per_token = fit.kv_bytes // plan.cached_tokens
         lines.append(
-            f"+ KV cache {fmt_bytes(fit.kv_bytes)} = {plan.cached_tokens:,} tokens"
+            f"+ KV cache {format_bytes(fit.kv_bytes)} = {plan.cached_tokens:,} tokens"
             f" × {per_token:,} B (K {k}, V {v}, pages of {plan.page_size})"
         )
-    lines.append(f"+ runtime {fmt_bytes(RUNTIME_OVERHEAD_BYTES)}")
-    free = fmt_bytes(fit.free_bytes) if fit.free_bytes is not None else "unknown"
-    lines.append(f"= needs {fmt_bytes(fit.need_bytes)}   (free RAM now: {free})")
+    lines.append(f"+ runtime {format_bytes(RUNTIME_OVERHEAD_BYTES)}")
+    free = format_bytes(fit.free_bytes) if fit.free_bytes is not None else "unknown"
+    lines.append(f"= needs {format_bytes(fit.need_bytes)}   (free RAM now: {free})")
     lines.append(
         f"Fits: at most {COMFORT_FRACTION:.0%} of free memory · Tight: up to all of it"
         " · Won't fit: more"
@@ -167,7 +168,7 @@ class DiscoverTab(QWidget):
         self.cache_settings = cache_settings
         # Replaceable (tests pin it): bytes free for a model now, None when unknown.
         self.free_memory: Callable[[], int | None] = lambda: system_free_memory(DEVICE)
-        self.runner = TaskRunner(self)
+        self.runner = TaskRunner(self, describe_error=plain_error, thread_name="folio-hub")
         self.results: list[RepoSummary] = []
         self.details: RepoDetails | None = None
         self.fits: dict[str, FitEstimate] = {}
@@ -349,7 +350,7 @@ class DiscoverTab(QWidget):
                 "checked against the file's header" if c.quant_confirmed else "from the file name"
             )
             table.setItem(row, 1, table_item(quant, tooltip=quant_tip))
-            table.setItem(row, 2, table_item(fmt_bytes(c.size), True))
+            table.setItem(row, 2, table_item(format_bytes(c.size), True))
             if c.problem:
                 table.setCellWidget(row, 3, chip("Can't run", c.problem))
                 note = table_item(c.problem, tooltip=c.problem)
@@ -367,7 +368,7 @@ class DiscoverTab(QWidget):
         if plan is not None:
             k = f"{plan.k_bits}-bit K" if plan.k_bits else "fp32 K"
             v = f"{plan.v_bits}-bit V" if plan.v_bits else "fp32 V"
-            free_text = fmt_bytes(free) if free is not None else "unknown"
+            free_text = format_bytes(free) if free is not None else "unknown"
             self.plan_label.setText(
                 f"Fit for {plan.context_tokens:,} cached tokens ({k}, {v}, pages of"
                 f" {plan.page_size}) with {free_text} of RAM free. Change it in Engine settings."
@@ -396,7 +397,7 @@ class DiscoverTab(QWidget):
     def _update_download_button(self) -> None:
         c = self.selected_candidate()
         self.download_button.setEnabled(c is not None and c.supported)
-        size = f" ({fmt_bytes(c.size)})" if c is not None and c.size else ""
+        size = f" ({format_bytes(c.size)})" if c is not None and c.size else ""
         self.download_button.setText(
             f"Download {c.quant or ''}{size}".replace("  ", " ") if c else "Download"
         )
@@ -405,7 +406,7 @@ class DiscoverTab(QWidget):
         elif c.problem:
             self.download_button.setToolTip(f"Folio cannot run this model: {c.problem}")
         else:
-            self.download_button.setToolTip(f"Download {c.name} ({fmt_bytes(c.size)})")
+            self.download_button.setToolTip(f"Download {c.name} ({format_bytes(c.size)})")
 
     def download_selected(self) -> None:
         c = self.selected_candidate()

@@ -22,12 +22,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.hub.download import DownloadManager, DownloadProgress, DownloadState
+from engine.hub.downloads import DownloadManager
 from engine.hub.errors import HubError
 from engine.hub.remote import ModelCandidate
+from engine.hub.transfer import DownloadProgress, DownloadState
+from engine.units import format_bytes
 from gui.models.common import (
     ERROR_COLOR,
-    fmt_bytes,
     fmt_duration,
     message_label,
     set_message,
@@ -157,7 +158,7 @@ class DownloadsTab(QWidget):
         if last is not None and last.state != DownloadState.DONE:
             set_message(
                 self.message,
-                f"Discarded {last.name}: {fmt_bytes(freed)} of partial download deleted.",
+                f"Discarded {last.name}: {format_bytes(freed)} of partial download deleted.",
             )
 
     def shutdown(self) -> None:
@@ -225,7 +226,7 @@ class DownloadsTab(QWidget):
         name.setToolTip(f"{p.repo_id}/{p.name}{where}")
 
         bar = widgets.bar
-        done = fmt_bytes(p.done_bytes)
+        done = format_bytes(p.done_bytes)
         if p.fraction is None:
             # Size unknown: a busy bar while it moves, an empty one once it stopped.
             bar.setRange(0, 0 if not p.state.finished else BAR_STEPS)
@@ -233,7 +234,7 @@ class DownloadsTab(QWidget):
         else:
             bar.setRange(0, BAR_STEPS)
             bar.setValue(round(p.fraction * BAR_STEPS))
-            bar.setFormat(f"%p% · {done} of {fmt_bytes(p.total_bytes)}")
+            bar.setFormat(f"%p% · {done} of {format_bytes(p.total_bytes)}")
         active = p.state in (DownloadState.DOWNLOADING, DownloadState.VERIFYING)
         speed = f"{p.bytes_per_s / 1e6:.1f} MB/s" if p.bytes_per_s and active else ""
         eta = fmt_duration(p.eta_s) if p.state == DownloadState.DOWNLOADING else ""
@@ -245,7 +246,7 @@ class DownloadsTab(QWidget):
         if p.state == DownloadState.VERIFYING:
             words = "Verifying (SHA-256)"
         if p.resumed_bytes and p.state == DownloadState.DOWNLOADING:
-            words = f"Resumed at {fmt_bytes(p.resumed_bytes)}"
+            words = f"Resumed at {format_bytes(p.resumed_bytes)}"
         state.setText(words)
         state.setToolTip(p.message or words)
         failed = p.state == DownloadState.FAILED

@@ -32,15 +32,16 @@ from engine.hub.library import (
     list_local_models,
     reveal_in_file_manager,
 )
+from engine.units import format_bytes
 from gui.models.common import (
-    TaskRunner,
     busy_bar,
-    fmt_bytes,
     fmt_when,
     make_table,
     message_label,
+    plain_error,
     set_message,
 )
+from gui.worker import TaskRunner
 
 COLUMNS = ["Name", "Format", "Quant", "Architecture", "Size", "Last used", "Source"]
 SOURCES = {"folio": "Folio", "hf-cache": "HF cache", "imported": "Imported"}
@@ -57,7 +58,9 @@ class LibraryTab(QWidget):
         super().__init__(parent)
         self.loaded_path = loaded_path
         self.models: list[LocalModel] = []
-        self.runner = TaskRunner(self, max_threads=1)
+        self.runner = TaskRunner(
+            self, max_threads=1, describe_error=plain_error, thread_name="folio-disk"
+        )
 
         layout = QVBoxLayout(self)
         self.busy = busy_bar()
@@ -129,7 +132,7 @@ class LibraryTab(QWidget):
                 "GGUF" if m.format == "gguf" else m.format,
                 m.quant or "?",
                 m.architecture or "?",
-                fmt_bytes(m.size_bytes),
+                format_bytes(m.size_bytes),
                 fmt_when(m.last_used),
                 SOURCES.get(m.source, m.source),
             ]
@@ -204,7 +207,7 @@ class LibraryTab(QWidget):
             if m.source == "imported":
                 text = f"Remove {m.name} from the list? Its files stay in {m.path.parent}."
             else:
-                text = f"Delete {m.name} for good? This frees {fmt_bytes(m.size_bytes)}."
+                text = f"Delete {m.name} for good? This frees {format_bytes(m.size_bytes)}."
                 if m.source == "hf-cache":
                     text += "\nIt is in the Hugging Face cache, which other programs may share."
             if loaded is not None and Path(loaded).absolute() == m.path.absolute():
@@ -220,7 +223,9 @@ class LibraryTab(QWidget):
         if m.source == "imported":
             set_message(self.message, result.message[:1].upper() + result.message[1:] + ".")
         else:
-            set_message(self.message, f"Deleted {m.name}: {fmt_bytes(result.freed_bytes)} freed.")
+            set_message(
+                self.message, f"Deleted {m.name}: {format_bytes(result.freed_bytes)} freed."
+            )
         self.refresh()
 
     def reveal_selected(self) -> None:

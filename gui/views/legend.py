@@ -17,9 +17,9 @@ from typing import Any
 
 from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen
-from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
+from PySide6.QtWidgets import QSizePolicy, QToolTip
 
-from gui.palette import ChatColors, Palette, blend
+from gui.palette import Palette, blend
 from gui.views.base import ChatColoredView
 
 _SWATCH = 12  # px, a page cell as the map draws it
@@ -56,13 +56,7 @@ class LegendBar(ChatColoredView):
     """Swatches and words in up to two rows (wrapping when narrow); hover for what
     each means."""
 
-    def __init__(
-        self,
-        chats: ChatColors | None = None,
-        palette: Palette | None = None,
-        parent: QWidget | None = None,
-    ):
-        super().__init__(chats, palette, parent)
+    def _build(self) -> None:
         self._active: list[Any] = []
         self._entries: list[LegendEntry] = []
         self._hit: list[tuple[QRectF, str]] = []  # where each entry was drawn, for tooltips

@@ -25,7 +25,8 @@ from PySide6.QtWidgets import QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidg
 from gui.palette import ChatColors, Palette, os_prefers_dark, palette_for
 from gui.views.graphs import ThroughputGraphs
 from gui.views.legend import LegendBar
-from gui.views.page_map import PageMapView, chat_key
+from gui.views.page_map import PageMapView
+from gui.views.page_map_model import chat_key
 from gui.views.prefix_tree import PrefixTreeView
 from gui.views.queue_panel import QueuePanel
 
@@ -208,10 +209,6 @@ class MemoryPanel(QWidget):
         """Highlight a chat's pages in the map and its branch in the tree."""
         self.page_map.highlight_chat(tag)
         self.tree.select_chat(tag)
-
-    def clear_selection(self) -> None:
-        self.page_map.clear_highlight()
-        self.tree.select_pages([])
 
     def set_chat_name(self, tag: Any, name: str) -> None:
         self.chats.set_name(tag, name)

@@ -15,7 +15,8 @@ What a cell says (the same language as the legend, `gui.palette`):
 
 Host-tier slots, when the engine has a host tier, follow the device pages after a
 blank row. Hover gives the page's details, a click highlights its chain (ancestors and
-continuations) and selects the chat that holds it.
+continuations) and selects the chat that holds it. The numbers behind the picture are
+`gui.views.page_map_model.PageMapModel` (Qt-free); this module draws them.
 """
 
 from __future__ import annotations
@@ -24,19 +25,18 @@ import functools
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import QToolTip, QWidget
+from PySide6.QtWidgets import QToolTip
 
 from engine.cache.page import PageState
-from gui.palette import STATE_NAMES, ChatColors, Palette, rgba
-from gui.views.base import ChatColoredView
-from gui.views.captions import fixed_caption, plot_with_caption
+from gui.palette import STATE_NAMES, Palette, rgba
+from gui.views.base import PlotView
+from gui.views.page_map_model import PageMapModel
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
@@ -44,124 +44,6 @@ if TYPE_CHECKING:
 # Cells beyond this many pages get smaller so the image stays near 1024 px wide.
 _MAX_IMAGE_PX = 1024
 _TEXT_CHARS = 240  # decoded text shown in a tooltip
-
-
-def chat_key(job_id: int, tag: Any) -> Any:
-    """What a page's colour follows: the job's tag (its chat), or the job itself when
-    the caller gave no tag, so untagged jobs still get told apart."""
-    return ("job", job_id) if tag is None else tag
-
-
-@dataclass
-class PageMapModel:
-    """The numbers behind the picture, derived from one snapshot (Qt-free arrays).
-
-    Device pages are indices 0..num_pages-1; host-tier slots follow as
-    num_pages..num_pages+host_slots-1."""
-
-    num_pages: int
-    host_slots: int
-    page_size: int
-    state: np.ndarray  # uint8 PageState per cell
-    ref_count: np.ndarray  # int32 per cell (0 for host slots)
-    fill: np.ndarray  # int32 rows written per cell
-    parent: np.ndarray  # int32 parent page per device page, -1 for roots / none
-    chat_slot: np.ndarray  # int32 colour slot of the first owning chat, -1 when unowned
-    evict_rank: np.ndarray  # int32 position in the eviction order, -1 when not listed
-    access_serial: np.ndarray  # int64 per cell
-    hash_prefix: np.ndarray  # uint64 per cell
-    owner_keys: list[tuple[Any, ...]]  # chat keys per device page
-    version: int
-
-    @classmethod
-    def empty(cls) -> PageMapModel:
-        z = np.zeros(0, np.int32)
-        return cls(0, 0, 0, z.astype(np.uint8), z, z, z, z, z, z.astype(np.int64),
-                   z.astype(np.uint64), [], -1)  # fmt: skip
-
-    @classmethod
-    def from_snapshot(cls, snapshot: EngineSnapshot, chats: ChatColors) -> PageMapModel:
-        cache = snapshot.cache
-        n = snapshot.num_pages
-        host = cache.host
-        h = 0 if host is None else len(host.state)
-        state = np.empty(n + h, np.uint8)
-        state[:n] = cache.state
-        ref = np.zeros(n + h, np.int32)
-        ref[:n] = cache.ref_count
-        fill = np.zeros(n + h, np.int32)
-        fill[:n] = cache.fill
-        serial = np.zeros(n + h, np.int64)
-        serial[:n] = cache.access_serial
-        prefix = np.zeros(n + h, np.uint64)
-        prefix[:n] = cache.hash_prefix
-        if host is not None:
-            state[n:] = host.state
-            # A host slot holds a whole page (only full, hashed pages are pushed).
-            fill[n:] = np.where(host.state == PageState.HOST, snapshot.page_size, 0)
-            serial[n:] = host.access_serial
-            prefix[n:] = host.hash_prefix
-        parent = np.full(n, -1, np.int32)
-        if len(cache.edges):
-            parent[cache.edges[:, 0]] = cache.edges[:, 1]
-
-        # owners are sequence ids: sequence -> job -> tag -> colour slot. Pages of one
-        # sequence share one owners tuple, so a memo keeps this loop cheap at 16k pages.
-        slot = np.full(n + h, -1, np.int32)
-        owner_keys: list[tuple[Any, ...]] = [()] * n
-        memo: dict[tuple[int, ...], tuple[tuple[Any, ...], int]] = {}
-        seq_jobs, job_tags = snapshot.seq_jobs, snapshot.job_tags
-        for page in np.flatnonzero(cache.ref_count > 0).tolist():
-            owners = cache.owners[page]
-            hit = memo.get(owners)
-            if hit is None:
-                keys: list[Any] = []
-                for seq in owners:
-                    job = seq_jobs.get(seq)
-                    key = chat_key(job if job is not None else -seq, job_tags.get(job))
-                    if key not in keys:
-                        keys.append(key)
-                hit = memo[owners] = (tuple(keys), chats.index_of(keys[0]) if keys else -1)
-            owner_keys[page], slot[page] = hit
-
-        rank = np.full(n + h, -1, np.int32)
-        if snapshot.eviction_next:
-            order = np.asarray(snapshot.eviction_next, np.int64)
-            rank[order] = np.arange(len(order), dtype=np.int32)
-        return cls(n, h, snapshot.page_size, state, ref, fill, parent, slot, rank, serial,
-                   prefix, owner_keys, snapshot.version)  # fmt: skip
-
-    def children(self) -> dict[int, list[int]]:
-        kids: dict[int, list[int]] = {}
-        for child in np.flatnonzero(self.parent >= 0).tolist():
-            kids.setdefault(int(self.parent[child]), []).append(child)
-        return kids
-
-    def chain(self, page: int) -> list[int]:
-        """The page, its ancestors up to the root and every continuation below it:
-        the prompts that run through this page."""
-        if not 0 <= page < self.num_pages:
-            return []
-        up = [page]
-        seen = {page}
-        p = int(self.parent[page])
-        while p >= 0 and p not in seen:  # `seen` guards a malformed (cyclic) snapshot
-            up.append(p)
-            seen.add(p)
-            p = int(self.parent[p])
-        kids = self.children()
-        down, stack = [], list(kids.get(page, ()))
-        while stack:
-            c = stack.pop()
-            if c in seen:
-                continue
-            seen.add(c)
-            down.append(c)
-            stack.extend(kids.get(c, ()))
-        return sorted(up[::-1] + down)
-
-    def pages_of_chat(self, key: Any) -> list[int]:
-        return [i for i, keys in enumerate(self.owner_keys) if key in keys]
 
 
 def grid_columns(cells: int) -> int:
@@ -277,7 +159,7 @@ def _cell_offsets(rows: int, cols: int, cell_px: int) -> np.ndarray:
     return np.repeat(np.repeat(cell, cell_px, axis=0), cell_px, axis=1)
 
 
-class PageMapView(ChatColoredView):
+class PageMapView(PlotView):
     """Every physical page as a cell; see the module docstring for the encoding.
 
     Feed it with `set_snapshot`; it only reads the snapshot. Signals: `page_clicked`
@@ -287,13 +169,8 @@ class PageMapView(ChatColoredView):
     page_clicked = Signal(int)
     chat_selected = Signal(object)
 
-    def __init__(
-        self,
-        chats: ChatColors | None = None,
-        palette: Palette | None = None,
-        parent: QWidget | None = None,
-    ):
-        super().__init__(chats, palette, parent)
+    def _build(self) -> None:
+        super()._build()
         self.model = PageMapModel.empty()
         self._snapshot: EngineSnapshot | None = None
         self._tokenizer: Any = None
@@ -304,24 +181,15 @@ class PageMapView(ChatColoredView):
         self.last_render_s = 0.0  # time the last image build took (for the curious)
         self.last_tooltip = ""
 
-        self.plot = pg.PlotWidget(parent=self)
-        self.plot.hideAxis("left")
-        self.plot.hideAxis("bottom")
-        self.plot.setMenuEnabled(False)
-        self.plot.hideButtons()
-        vb = self.plot.getViewBox()
-        vb.invertY(True)  # page 0 top left, like reading
+        vb = self.plot.getViewBox()  # y down: page 0 top left, like reading
         vb.setAspectLocked(True)
         vb.setMouseEnabled(x=True, y=True)
         self.image = pg.ImageItem(axisOrder="row-major")
         self.plot.addItem(self.image)
-        self.caption = fixed_caption(self)
-        plot_with_caption(self, self.plot, self.caption)
         scene = self.plot.scene()
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
         self.setMouseTracking(True)
-        self.setMinimumSize(160, 120)
         self.set_palette(self.palette_)
 
     # -- feeding --------------------------------------------------------------------
@@ -338,12 +206,6 @@ class PageMapView(ChatColoredView):
         self.model = PageMapModel.from_snapshot(snapshot, self.chats)
         if self._highlight is not None and len(self._highlight) != len(self.model.state):
             self._highlight = None
-        self._redraw()
-
-    def set_palette(self, palette: Palette) -> None:
-        self.palette_ = palette
-        self.plot.setBackground(palette.background)
-        self.caption.setStyleSheet(f"color: {palette.muted_text};")
         self._redraw()
 
     def highlight_pages(self, pages: Iterable[int]) -> None:
@@ -397,12 +259,6 @@ class PageMapView(ChatColoredView):
     def chat_name(self, key: Any) -> str:
         tag = _tag_of(key)
         return f"job {key[1]} (no chat)" if tag is None else self.chats.name(tag)
-
-    def is_evict_next(self, page: int) -> bool:
-        return self._marked(page)
-
-    def _marked(self, page: int) -> bool:
-        return bool(self.model.evict_rank[page] >= 0 and self.model.fill[page] > 0)
 
     def highlighted_pages(self) -> list[int]:
         return [] if self._highlight is None else np.flatnonzero(self._highlight).tolist()

@@ -23,12 +23,11 @@ from PySide6.QtWidgets import (
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
-    QWidget,
 )
 
-from gui.palette import ChatColors, Palette, label_color_on
+from gui.palette import Palette, label_color_on
 from gui.views.base import ChatColoredView
-from gui.views.page_map import chat_key
+from gui.views.page_map_model import chat_key
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot, JobInfo
@@ -49,13 +48,7 @@ class QueuePanel(ChatColoredView):
     """A table of `snapshot.jobs` (active first, then pending in queue order) and a
     line that totals what the prefix cache saved for finished jobs."""
 
-    def __init__(
-        self,
-        chats: ChatColors | None = None,
-        palette: Palette | None = None,
-        parent: QWidget | None = None,
-    ):
-        super().__init__(chats, palette, parent)
+    def _build(self) -> None:
         self.prefill_rate = 0.0  # tok/s the recent jobs prefilled at (0: none seen yet)
         self._prefills: deque[tuple[int, float]] = deque(maxlen=RATE_JOBS)
         self.finished_cached_tokens = 0

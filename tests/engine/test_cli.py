@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from engine.generate import generate
+from engine.cache.kv_cache import CacheSettings
+from engine.engine import Engine
+from engine.generator.job import EventKind, JobRequest
+from engine.generator.sampler import SamplingSettings
+from engine.model.loader import load_model
 from folio.main import main
 
 pytestmark = pytest.mark.slow
@@ -18,7 +22,8 @@ def test_generate_json_contract(smollm2_path, smollm2_int4, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("text", "token_ids", "prompt_tokens", "cached_tokens", "new_tokens", "eos_reason",
-                "time_prefill", "time_generate"):
+                "time_prefill", "time_generate", "prefill_tokens_per_s", "decode_tokens_per_s",
+                "load_seconds", "model"):
         assert key in out, key
     tok = smollm2_int4.tokenizer
     assert out["prompt_tokens"] == len(tok.encode_chat([{"role": "user", "content": "Name a colour."}]))
@@ -63,5 +68,29 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
 
 def test_prompt_longer_than_context(smollm2_int4):
     limit = smollm2_int4.config.max_position_embeddings
+    engine = Engine(smollm2_int4, CacheSettings(page_size=16, token_budget=64))
     with pytest.raises(ValueError, match=f"{limit + 5} tokens but the model's context holds {limit}"):
-        next(generate(smollm2_int4, [1] * (limit + 5), max_new_tokens=4))
+        engine.submit(JobRequest(prompt=[1] * (limit + 5), max_new_tokens=4))
+
+
+def test_generate_gives_the_text_of_an_app_job_with_the_same_seed(smollm2_path, capsys):
+    """`folio generate` is one job on the app's generator: a chat message submitted to
+    an Engine as the app submits it, with the same sampling settings, streams the same
+    text and ends for the same reason."""
+    prompt, seed = "Tell me a fact about owls.", 7
+    assert main(["generate", prompt, "--model", str(smollm2_path), "--max-new-tokens", "24",
+                 "--temperature", "0.8", "--seed", str(seed), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    loaded = load_model(smollm2_path, batched_weights="off")  # as `folio generate` loads it
+    request = JobRequest(
+        messages=[{"role": "user", "content": prompt}],
+        sampling=SamplingSettings(temperature=0.8, seed=seed),
+        max_new_tokens=24,
+    )
+    with Engine(loaded, CacheSettings(token_budget=1024)) as engine:  # the app's page size
+        handle = engine.submit(request)
+        streamed = "".join(e.text for e in handle.events(timeout=120) if e.kind is EventKind.STREAMING)
+    app = handle.result
+    assert cli["text"] == streamed == app.text and cli["text"].strip()
+    assert cli["token_ids"] == app.token_ids[0] and cli["eos_reason"] == app.eos_reason
+    assert cli["prompt_tokens"] == app.prompt_tokens

@@ -7,8 +7,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.generate import SequenceRunner
 from engine.model.loader import load_model
+from engine.model.runner import SequenceRunner
 from tests.engine.tiny_models import FAMILIES, make_hf_model, save_hf_folder, write_gguf
 
 PROMPT_LEN = 21  # longer than Gemma's test sliding window (8), not a multiple of anything

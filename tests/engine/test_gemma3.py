@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.generate import SequenceRunner
+from engine.generator.job import JobRequest
 from engine.model.loader import load_model
+from engine.model.runner import SequenceRunner
+from tests.engine.generator.helpers import GREEDY, complete, make_generator
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +54,12 @@ def test_gemma3_logits_match_transformers(gemma3, gemma3_hf):
 
 
 def test_gemma3_plain_completion_matches_transformers(gemma3, gemma3_hf):
-    from engine.generate import Completion, generate
-
     tok = gemma3.tokenizer
     assert not tok.has_chat_template  # a base model: plain completion
     ids = tok.encode("The capital of France is")
-    completion = Completion()
-    text = "".join(generate(gemma3, ids, max_new_tokens=16, temperature=0.0, completion=completion))
+    gen = make_generator(gemma3, page_size=16, tokens=64)
+    text, result = complete(gen, JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=16))
     with torch.no_grad():
         ref = gemma3_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_ids)
-    assert completion.token_ids == ref[0, len(ids) :].tolist()
-    assert text == tok.decode([t for t in completion.token_ids if t not in tok.eos_token_ids])
+    assert result.token_ids[0] == ref[0, len(ids) :].tolist()
+    assert text == tok.decode([t for t in result.token_ids[0] if t not in tok.eos_token_ids])

@@ -15,15 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.hub import download as dl
-from engine.hub import remote
-from engine.hub.download import (
-    CancelToken,
-    DownloadManager,
-    DownloadState,
-    download_model,
-    pending_downloads,
-)
+from engine.hub import remote, transfer
+from engine.hub.downloads import DownloadManager
 from engine.hub.errors import (
     UNREACHABLE,
     DiskFullError,
@@ -52,6 +45,7 @@ from engine.hub.remote import (
     shape_from_summary,
 )
 from engine.hub.token import load_token, save_token
+from engine.hub.transfer import CancelToken, DownloadState, download_model, pending_downloads
 from folio.main import main
 from tests.engine.hub_server import COMMIT, FakeHub
 
@@ -187,14 +181,14 @@ def test_quant_from_filename(name, quant):
 def test_kv_bytes_per_token_matches_the_page_pool():
     import torch
 
-    from engine.cache.kv_cache import kv_formats
+    from engine.cache.formats import kv_formats
     from engine.model.config import ModelConfig
     from kernels.kvquant import KVFormat
 
     # SmolLM2: 30 layers, 3 KV heads of 64.
     assert kv_bytes_per_token(30, 3, 64) == 30 * 3 * 64 * 2 * 4
     cfg = ModelConfig("llama", 10, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4)
-    assert kv_bytes_per_token(30, 3, 64) == cfg.kv_bytes_per_token_fp32
+    assert kv_bytes_per_token(30, 3, 64) == cfg.kv_bytes_per_token()
     fp16 = KVFormat(dtype=torch.float16).bytes_per_token(3, 64)
     assert kv_bytes_per_token(30, 3, 64, dense_bytes=2) == 30 * 2 * fp16
     for k_bits, v_bits in ((2, 2), (4, 4), (8, 8), (4, None), (None, 3)):
@@ -403,7 +397,7 @@ def test_cancel_then_resume_completes(hub, gguf_bytes, tmp_path):
 def test_disk_full_keeps_the_partial_and_a_restart_resumes(hub, gguf_bytes, tmp_path, monkeypatch):
     size = len(gguf_bytes["q8"])
     written = [0]
-    real_write = dl._write_chunk
+    real_write = transfer._write_chunk
 
     def fills_up(fh, data):
         if written[0] + len(data) > size // 2:
@@ -411,7 +405,7 @@ def test_disk_full_keeps_the_partial_and_a_restart_resumes(hub, gguf_bytes, tmp_
         written[0] += len(data)
         real_write(fh, data)
 
-    monkeypatch.setattr(dl, "_write_chunk", fills_up)
+    monkeypatch.setattr(transfer, "_write_chunk", fills_up)
     candidate = list_repo_models(GGUF_REPO).candidate("tiny.Q8_0.gguf")
     with pytest.raises(DiskFullError) as info:
         download_model(candidate)
@@ -419,7 +413,7 @@ def test_disk_full_keeps_the_partial_and_a_restart_resumes(hub, gguf_bytes, tmp_
     assert "the disk is full" in message and "MB free" in message and "kept" in message
     assert info.value.partial.stat().st_size == written[0] > 0
 
-    monkeypatch.setattr(dl, "_write_chunk", real_write)
+    monkeypatch.setattr(transfer, "_write_chunk", real_write)
     served = hub.bytes_served[(GGUF_REPO, "tiny.Q8_0.gguf")]
     manager = DownloadManager()  # a new session: resume what the last one left
     (job,) = manager.resume_pending()

@@ -1,10 +1,11 @@
-"""KV-cache quantization costs little perplexity on a real model (ENGINE_SPEC §6)."""
+"""KV-cache quantization costs little perplexity on a real model (docs/ENGINE.md §6)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.perplexity import perplexity, reference_text
+from engine.perplexity import perplexity
+from engine.reference_text import reference_text
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def test_fp32_perplexity_is_sane(fp32_ppl):
 
 # (K bits, V bits, allowed perplexity increase). Measured on this text (keys stored relative
 # to their calibrated mean, K and V on the min/max grid, docs/KV_QUANT.md): K8/V8 +0.03%,
-# K8/V4 +0.42%, K4/V4 +1.88% (ENGINE_SPEC §6 aims for about 2%; +7.6% before the key mean).
+# K8/V4 +0.42%, K4/V4 +1.88% (docs/ENGINE.md §6 aims for about 2%; +7.6% before the key mean).
 @pytest.mark.parametrize("k_bits,v_bits,budget", [(8, 8, 0.005), (8, 4, 0.015), (4, 4, 0.03)])
 def test_quantized_cache_perplexity(smollm2_int4, text_ids, fp32_ppl, k_bits, v_bits, budget):
     ppl = perplexity(smollm2_int4, text_ids, k_bits=k_bits, v_bits=v_bits)

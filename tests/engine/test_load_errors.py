@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from engine.model.config import UnsupportedArchitecture
-from engine.model.gguf_file import GGUFFile
+from engine.model.gguf_file import GGUFError, GGUFFile, read_header
 from engine.model.loader import ModelLoadError, load_model
 from tests.engine.tiny_models import make_hf_model, save_hf_folder, write_gguf
 
@@ -148,3 +148,22 @@ def test_reader_matches_gguf_package(tiny_gguf):
             continue
         value = field.contents()
         assert np.all(np.asarray(ours.metadata[key]) == np.asarray(value)), key
+
+
+def test_header_reader_over_a_prefix(tiny_gguf):
+    """The one header parser reads a downloaded prefix as it reads the mapped file."""
+    data = tiny_gguf.read_bytes()
+    whole = GGUFFile(tiny_gguf)
+    data_start = min(t.offset for t in whole.tensors.values())
+    complete_from = None
+    for cut in range(4, data_start + 1, 7):
+        header = read_header(data[:cut], "prefix")
+        if header.complete:
+            complete_from = complete_from or cut
+            assert header.tensors == whole.tensors and header.version == whole.version
+        else:
+            assert complete_from is None, f"complete at {complete_from} but not at {cut}"
+            assert set(header.metadata) <= set(whole.metadata)
+    assert complete_from is not None
+    with pytest.raises(GGUFError, match="prefix: not a GGUF file"):
+        read_header(b"PK\x03\x04" + bytes(200), "prefix")

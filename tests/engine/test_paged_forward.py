@@ -6,17 +6,15 @@ import pytest
 import torch
 
 import engine.cache.kv_cache as kv_cache
-from engine.cache.kv_cache import (
-    CacheSettings,
-    KeyCalibration,
-    KVCache,
-    calibrate_keys,
-    calibration_ids,
-)
-from engine.generate import Completion, SequenceRunner, generate
+from engine.cache.kv_cache import CacheSettings, KeyCalibration, KVCache
+from engine.generator.generator import Generator
+from engine.generator.job import JobRequest
+from engine.model.calibration import calibrate_keys, calibration_for, calibration_ids
 from engine.model.loader import load_model
+from engine.model.runner import SequenceRunner
 from engine.model.transformer import apply_rope
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention_reference
+from tests.engine.generator.helpers import GREEDY, complete, make_generator
 from tests.engine.tiny_models import make_hf_model, save_hf_folder
 
 
@@ -74,7 +72,7 @@ def test_cache_hit_skips_prefix_and_keeps_logits(tiny):
 
 def test_partial_page_rows_are_reused(tiny):
     """A prompt that shares 20 tokens with a cached one: the first page is a hit and the
-    first 4 rows of the second are copied from the cached sibling (ENGINE_SPEC §2)."""
+    first 4 rows of the second are copied from the cached sibling (docs/ENGINE.md §2)."""
     cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=256))
     base = _ids(40, seed=4)
     run = SequenceRunner(tiny, cache, base, job_id=1)
@@ -90,9 +88,8 @@ def test_partial_page_rows_are_reused(tiny):
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.02), (4, 0.12)])
 def test_quantized_cache_close_to_fp32(tiny, bits, tolerance):
     ids = _ids(50, seed=6)
-    cache = KVCache.for_model(
-        tiny, CacheSettings(page_size=16, token_budget=128, k_bits=bits, v_bits=bits)
-    )
+    settings = CacheSettings(page_size=16, token_budget=128, k_bits=bits, v_bits=bits)
+    cache = KVCache.for_model(tiny, settings, calibration_for(tiny, settings))
     assert (
         cache.nbytes()
         < KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=128)).nbytes() / 2
@@ -136,12 +133,16 @@ def test_key_calibration_is_the_pre_rope_key_mean(tiny, tiny_gemma, monkeypatch,
 def test_quantized_k_cache_calibrates_once_and_fingerprints_it(tiny_folder):
     loaded = load_model(tiny_folder, load_tokenizer=False)
     small = dict(page_size=16, token_budget=64)
-    KVCache.for_model(loaded, CacheSettings(**small, v_bits=4))
+
+    def for_model(settings: CacheSettings) -> KVCache:
+        return KVCache.for_model(loaded, settings, calibration_for(loaded, settings))
+
+    for_model(CacheSettings(**small, v_bits=4))
     assert loaded.key_calibration is None  # only quantized keys need the mean
-    k4 = KVCache.for_model(loaded, CacheSettings(**small, k_bits=4, v_bits=4))
+    k4 = for_model(CacheSettings(**small, k_bits=4, v_bits=4))
     calibration = loaded.key_calibration
     assert isinstance(calibration, KeyCalibration) and k4.calibration is calibration
-    assert KVCache.for_model(loaded, CacheSettings(**small, k_bits=8)).calibration is calibration
+    assert for_model(CacheSettings(**small, k_bits=8)).calibration is calibration
     assert k4.fingerprint.calibration == calibration.digest
 
     cfg = loaded.config
@@ -168,7 +169,7 @@ def test_quantized_decode_kernel_matches_reference(tiny, tiny_gemma, monkeypatch
 
     def run() -> torch.Tensor:
         settings = CacheSettings(page_size=16, token_budget=128, k_bits=4, v_bits=4)
-        cache = KVCache.for_model(loaded, settings)
+        cache = KVCache.for_model(loaded, settings, calibration_for(loaded, settings))
         runner = SequenceRunner(loaded, cache, ids, max_new_tokens=len(follow))
         out = [runner.step()]
         for token in follow:
@@ -179,7 +180,7 @@ def test_quantized_decode_kernel_matches_reference(tiny, tiny_gemma, monkeypatch
     fast = run()
     monkeypatch.setattr(kv_cache, "decode_numba_unchecked", None)  # fail loudly if reached
     monkeypatch.setattr(kv_cache, "numba_supported", lambda *args: False)
-    monkeypatch.setattr(kv_cache, "paged_attention_dispatch", paged_attention)
+    monkeypatch.setattr(kv_cache, "paged_attention", paged_attention_reference)
     reference = run()
     # rounding differences between the paths can flip a code of a later token: 2e-5 seen
     assert _rel(fast, reference) < 1e-4
@@ -196,23 +197,13 @@ def test_smollm2_paged_generation_reuses_prefix(smollm2_dequant):
     tok = smollm2_dequant.tokenizer
     system = {"role": "system", "content": "You are a concise assistant. " * 30}
     cache = KVCache.for_model(smollm2_dequant, CacheSettings(page_size=64, token_budget=4096))
+    on_shared_cache = Generator(smollm2_dequant, cache)  # outlives the jobs
     replies = []
     for question in ("What is two plus two?", "Name a planet."):
         ids = tok.encode_chat([system, {"role": "user", "content": question}])
-        shared, alone = Completion(), Completion()
-        shared_text = "".join(
-            generate(
-                smollm2_dequant,
-                ids,
-                max_new_tokens=12,
-                temperature=0,
-                completion=shared,
-                cache=cache,
-            )
-        )
-        alone_text = "".join(
-            generate(smollm2_dequant, ids, max_new_tokens=12, temperature=0, completion=alone)
-        )
+        request = JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=12)
+        shared_text, shared = complete(on_shared_cache, request)
+        alone_text, alone = complete(make_generator(smollm2_dequant, page_size=64), request)
         assert shared_text == alone_text and shared.token_ids == alone.token_ids
         replies.append(shared)
         cache.pages.validate()

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine.cache.kv_cache import CacheSettings, KVCache
-from engine.generate import Completion, SequenceRunner, generate
+from engine.generator.job import JobRequest
+from engine.model.runner import SequenceRunner
+from tests.engine.generator.helpers import GREEDY, complete, make_generator
 
 pytestmark = pytest.mark.slow
 
@@ -92,29 +94,28 @@ def test_bf16_batch_copies_agree_with_dequant_as_well_as_int4(smollm2_int4, smol
 def test_greedy_chat_matches_transformers_generate(prompt, smollm2_dequant, smollm2_hf):
     tok = smollm2_dequant.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
-    completion = Completion()
-    for _ in generate(smollm2_dequant, ids, max_new_tokens=32, temperature=0.0, completion=completion):
-        pass
+    gen = make_generator(smollm2_dequant, page_size=64, tokens=256)
+    _, result = complete(gen, JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=32))
     with torch.no_grad():
         ref = smollm2_hf.generate(
             torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id
         )[0, len(ids) :].tolist()
-    assert completion.token_ids == ref
-    assert completion.text == tok.decode([t for t in ref if t not in tok.eos_token_ids])
+    assert result.token_ids[0] == ref
+    assert result.text == tok.decode([t for t in ref if t not in tok.eos_token_ids])
 
 
 def test_chat_template_and_stop(smollm2_int4):
     tok = smollm2_int4.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Say hello."}])
     assert tok.decode(ids).rstrip().endswith("<|im_start|>assistant")
-    completion = Completion()
-    text = "".join(generate(smollm2_int4, ids, max_new_tokens=64, temperature=0.0, completion=completion))
-    assert text == completion.text and text.strip()
-    assert completion.eos_reason in ("stop_token", "max_new_tokens")
-    if completion.eos_reason == "stop_token":
-        assert completion.token_ids[-1] in tok.eos_token_ids
+    gen = make_generator(smollm2_int4, page_size=64, tokens=256)
+    text, result = complete(gen, JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=64))
+    assert text == result.text and text.strip()
+    assert result.eos_reason in ("stop_token", "max_new_tokens")
+    if result.eos_reason == "stop_token":
+        assert result.token_ids[0][-1] in tok.eos_token_ids
     else:
-        assert completion.new_tokens == 64
+        assert result.new_tokens == 64
 
 
 def test_batched_weights_policy(smollm2_path, monkeypatch):

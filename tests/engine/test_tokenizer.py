@@ -12,10 +12,10 @@ from pathlib import Path
 
 import gguf
 import pytest
+import tokenizers
 
-import engine.model.tokenizer as tokmod
 from engine import paths
-from engine.model.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from engine.model.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError, gguf_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name("tiny")
     if with_tokenizer:
-        byte_chars = list(tokmod._bytes_to_unicode().values())
+        byte_chars = list(gguf_vocab._bytes_to_unicode().values())
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         tokens = specials + byte_chars + ["Ġt", "he", "Ġthe"]
         writer.add_tokenizer_model(tokenizer_model)
@@ -132,8 +132,8 @@ def _forbid_rebuild(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the slow path ran although the cache should have been used")
 
-    monkeypatch.setattr(tokmod, "_convert_gguf_tokenizer", boom)
-    monkeypatch.setattr(tokmod, "read_gguf_tokenizer_metadata", boom)
+    monkeypatch.setattr(gguf_vocab, "_convert_gguf_tokenizer", boom)
+    monkeypatch.setattr(gguf_vocab, "read_gguf_tokenizer_metadata", boom)
 
 
 def _assert_stream(tok: Tokenizer, text: str) -> None:
@@ -422,16 +422,16 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path):
     (entry / "tokenizer.json").write_text("{not json")
     again = Tokenizer.from_gguf(model, cache_dir=cache)
     assert again.encode("the") == first.encode("the")
-    tokmod.tokenizers.Tokenizer.from_file(str(entry / "tokenizer.json"))  # repaired
+    tokenizers.Tokenizer.from_file(str(entry / "tokenizer.json"))  # repaired
 
 
 def test_use_cache_false_and_metadata_argument(tmp_path, monkeypatch):
     model = write_tiny_gguf(tmp_path / "tiny.gguf")
-    meta = tokmod.read_gguf_tokenizer_metadata(model)
+    meta = gguf_vocab.read_gguf_tokenizer_metadata(model)
     assert meta["tokenizer.ggml.model"] == "gpt2"
     assert meta["general.architecture"] == "llama"
     monkeypatch.setattr(
-        tokmod, "read_gguf_tokenizer_metadata", lambda *a: pytest.fail("metadata was given")
+        gguf_vocab, "read_gguf_tokenizer_metadata", lambda *a: pytest.fail("metadata was given")
     )
     tok = Tokenizer.from_gguf(model, metadata=meta, use_cache=False)
     assert tok.encode(" the") == [tok.token_to_id("Ġthe")]

@@ -11,9 +11,8 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from engine.cache.page import PageState  # noqa: E402
-from engine.cache.page_table import CacheSnapshot  # noqa: E402
+from engine.cache.snapshot import CacheSnapshot, cache_stats  # noqa: E402
 from engine.engine import EngineSnapshot, JobInfo  # noqa: E402
-from engine.telemetry import cache_stats  # noqa: E402
 
 
 class FakeTokenizer:

@@ -5,7 +5,11 @@ pixels."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +20,12 @@ from engine.engine import Engine, JobInfo
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import JobRequest
 from engine.generator.sampler import SamplingSettings
-from gui.views import MemoryPanel, PageMapView, PrefixTreeView, QueuePanel, ThroughputGraphs
+from gui.views.graphs import ThroughputGraphs
+from gui.views.memory_panel import MemoryPanel
+from gui.views.page_map import PageMapView
+from gui.views.prefix_tree import PrefixTreeView
+from gui.views.prefix_tree_model import PrefixTreeModel, hash_key
+from gui.views.queue_panel import QueuePanel
 from tests.gui.conftest import synthetic_snapshot
 
 SYSTEM = (
@@ -52,7 +61,7 @@ def _assert_map_matches(view: PageMapView, snap) -> None:
         assert view.cell_hash(page) == cache.hash_prefix[page], page
 
 
-def _assert_tree_matches(tree: PrefixTreeView, snap) -> None:
+def _assert_tree_matches(tree: PrefixTreeModel, snap) -> None:
     """One node per page with content, keyed and parented as the snapshot says."""
     cache = snap.cache
     parent = np.full(snap.num_pages, -1)
@@ -68,6 +77,77 @@ def _assert_tree_matches(tree: PrefixTreeView, snap) -> None:
         p = parent[page]
         want_parent = tree.node_for_page(p).key if p >= 0 else None
         assert node.parent == want_parent, page
+
+
+def test_tree_model_reconciles_snapshots_without_a_widget(fake_tokenizer):
+    """The tree's model is plain Python: built from a snapshot, then updated by diffs."""
+    snap = synthetic_snapshot(64, chats=2)
+    tree = PrefixTreeModel()
+    assert tree.set_snapshot(snap, fake_tokenizer)
+    _assert_tree_matches(tree, snap)
+    assert not tree.set_snapshot(snap)  # the same version: nothing to redo
+    shared = [p for p in range(64) if snap.cache.ref_count[p] == 2]
+    fork = tree.node_for_page(shared[-1])
+    assert tree.branch_points() == [fork.key]
+    assert fork.owners == ("chat 1", "chat 2") and fork.shared
+    assert fork.text == fake_tokenizer.decode(snap.page_tokens[shared[-1]])
+    first, second = (tree.nodes()[k] for k in tree.children_of(fork.key))
+    # Layout: a chain stays on its row, a fork steps down.
+    assert first.pos[1] == fork.pos[1] < second.pos[1]
+    assert first.pos[0] == second.pos[0] > fork.pos[0]
+    assert set(shared) <= set(tree.chain_pages(fork.key))
+
+    # One page's job ends: only that page is redone, the shape stays.
+    page = tree.node_for_page(max(tree.chain_pages(second.key))).page
+    state, ref = snap.cache.state.copy(), snap.cache.ref_count.copy()
+    state[page], ref[page] = PageState.CACHED, 0
+    cache = dataclasses.replace(snap.cache, state=state, ref_count=ref)
+    assert tree.set_snapshot(dataclasses.replace(snap, version=2, cache=cache))
+    assert tree.last_update == {"changed_pages": 1, "added": 0, "removed": 0, "touched": 1,
+                                "relayout": 0}  # fmt: skip
+    assert tree.node_for_page(page).state == PageState.CACHED
+
+    tree.select_chat("chat 2")
+    assert tree.selected() == {k for k, n in tree.nodes().items() if "chat 2" in n.owners}
+    assert tree.select_chain(fork.key) == tree.chain_pages(fork.key)
+
+
+def test_tree_model_follows_page_events():
+    """Stored pages, a defrag cycle applied as one batch, eviction, the host tier."""
+    digests = [f"{i:02x}" * 32 for i in (1, 2, 3)]
+    keys = [hash_key(d) for d in digests]
+    parents = ["", *digests[:2]]
+    stored = [
+        {"kind": "page_stored", "page": p, "hash": d, "parent": parents[p]}
+        for p, d in enumerate(digests)
+    ]
+    tree = PrefixTreeModel()
+    assert tree.apply_events(stored)
+    assert tree.roots() == [keys[0]] and tree.children_of(keys[0]) == [keys[1]]
+    assert [tree.node_for_page(p).key for p in range(3)] == keys
+    # 0 -> 1, 1 -> 2, 2 -> 0 at once: no mapping is overwritten before it is read.
+    cycle = ((0, 1), (1, 2), (2, 0))
+    moves = [{"kind": "page_defrag_move", "page": a, "detail": b} for a, b in cycle]
+    assert not tree.apply_events(moves)  # pages moved, no node came or went
+    assert [tree.node_for_page(p).key for p in (1, 2, 0)] == keys
+    assert tree.apply_events([{"kind": "page_evicted", "page": 0}])
+    assert keys[2] not in tree.nodes() and tree.node_for_page(0) is None
+    tree.apply_events([{"kind": "page_tier_push", "hash": digests[2], "parent": digests[1]}])
+    pushed = tree.nodes()[keys[2]]
+    assert pushed.page == -1 and pushed.state == PageState.HOST
+    assert tree.chain_pages(keys[2]) == [1, 2]  # host-tier nodes have no device page
+    assert tree.apply_events([{"kind": "page_cleared"}]) and not tree.nodes()
+
+
+def test_the_view_models_import_no_qt():
+    """The page map's and the prefix tree's models load without Qt or pyqtgraph."""
+    code = (
+        "import sys, gui.views.page_map_model, gui.views.prefix_tree_model; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'PySide6', 'pyqtgraph'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.slow
@@ -86,7 +166,7 @@ def test_views_follow_two_chats_sharing_a_system_prompt(qtbot, smollm2_int4):
     gen.iterate()  # both admitted in one step: b shares a's system-prompt pages
     gen.iterate()
     snap = _publish(engine, panel)
-    pm, tree = panel.page_map, panel.tree
+    pm, tree = panel.page_map, panel.tree.model
 
     _assert_map_matches(pm, snap)
     _assert_tree_matches(tree, snap)
@@ -107,8 +187,7 @@ def test_views_follow_two_chats_sharing_a_system_prompt(qtbot, smollm2_int4):
     shared_hashes = {pm.cell_hash(p) for p in shared}
 
     # The event path alone builds the same hashed tree as the snapshot reconcile.
-    from_events = PrefixTreeView()
-    qtbot.addWidget(from_events)
+    from_events = PrefixTreeModel()
     from_events.apply_events(engine.telemetry.events(0))
     hashed = {k: n.parent for k, n in tree.nodes().items() if k[0] == "h"}
     assert {k: n.parent for k, n in from_events.nodes().items()} == hashed
@@ -182,7 +261,7 @@ def test_page_map_update_cost_at_16384_pages(qtbot, record_property):
     print(
         f"\npage map, 16384 pages: update+paint mean {mean_ms:.1f} ms, max {max_ms:.1f} ms "
         f"(image build mean {1e3 * np.mean(renders):.1f} ms); prefix tree of "
-        f"{len(tree.nodes())} nodes: first {1e3 * tree_first:.0f} ms, "
+        f"{len(tree.model.nodes())} nodes: first {1e3 * tree_first:.0f} ms, "
         f"next snapshot {1e3 * tree_next:.0f} ms"
     )
     record_property("page_map_16384_update_ms_mean", round(mean_ms, 2))
@@ -224,13 +303,13 @@ def test_hover_and_click_on_a_page(qtbot, fake_tokenizer):
     assert set(shared) <= set(chain)
     both_tails = {p for p in range(64) if pm.cell_owners(p) in (["chat 1"], ["chat 2"])}
     assert both_tails <= set(chain)  # the page's continuations in both chats
-    assert {tree.node_for_page(p).key for p in chain} == tree.selected()
+    assert {tree.model.node_for_page(p).key for p in chain} == tree.model.selected()
 
     # A tree node click highlights its pages in the map.
-    leaf = next(k for k, n in tree.nodes().items() if not tree.children_of(k))
+    leaf = next(k for k, n in tree.model.nodes().items() if not tree.model.children_of(k))
     with qtbot.waitSignal(tree.node_clicked) as blocker:
         tree.click_node(leaf)
-    assert pm.highlighted_pages() == blocker.args[0] == tree.chain_pages(leaf)
+    assert pm.highlighted_pages() == blocker.args[0] == tree.model.chain_pages(leaf)
 
     # Selecting a chat from outside highlights exactly its pages.
     panel.select_chat("chat 2")
@@ -280,7 +359,8 @@ def test_dark_and_light_share_one_language(qtbot):
 
 
 def test_graphs_follow_a_rolling_window(qtbot):
-    from engine.telemetry import CacheStats, StepRecord, Telemetry
+    from engine.cache.snapshot import CacheStats
+    from engine.telemetry import StepRecord, Telemetry
 
     telemetry = Telemetry(history=50)
     for i in range(80):
@@ -322,7 +402,7 @@ def test_tree_labels_never_overlap(qtbot, fake_tokenizer):
     for i, a in enumerate(before):
         for b in before[i + 1 :]:
             assert not a.intersects(b), (a, b)
-    roots = [k for k in tree.roots() if k in tree._labels]
+    roots = [k for k in tree.model.roots() if k in tree._labels]
     assert any(tree._labels[k].isVisible() for k in roots)
     tree.plot.getViewBox().scaleBy((0.3, 1.0))  # zoom in along the chains
     after = shown()
@@ -350,6 +430,6 @@ def test_feed_brings_one_view_up_to_date_per_tick(qtbot):
     assert len(ran) == 1
     qtbot.waitUntil(lambda: not panel.pending_parts(), timeout=2000)
     assert sorted(ran) == ["page_map", "queue", "tree"]
-    assert panel.page_map.page_count == 64 and panel.tree.nodes()
+    assert panel.page_map.page_count == 64 and panel.tree.model.nodes()
     panel.feed(snap)  # the same version again: nothing to redo
     assert panel.pending_parts() == []

@@ -1,4 +1,4 @@
-"""kernels.kvquant: Hadamard-rotated b-bit KV-cache groups (ENGINE_SPEC §6)."""
+"""kernels.kvquant: Hadamard-rotated b-bit KV-cache groups (docs/ENGINE.md §6)."""
 
 from __future__ import annotations
 

@@ -21,11 +21,11 @@ from kernels.kvquant import (
     quantize_into,
     rope_table,
 )
+from kernels.layer_kv import LayerKV
 from kernels.paged_attention import (
     HAS_NUMBA,
-    LayerKV,
     paged_attention,
-    paged_attention_dispatch,
+    paged_attention_reference,
     paged_decode,
     paged_decode_numba,
 )
@@ -59,7 +59,7 @@ class Case:
     scale: float
     k_offset: KeyOffset | None = None  # keys stored as k - R(j) mu
 
-    def paged(self, fn=paged_attention, sliding_window=None) -> torch.Tensor:
+    def paged(self, fn=paged_attention_reference, sliding_window=None) -> torch.Tensor:
         kv = LayerKV(self.k_store, self.v_store, self.fmt_k, self.fmt_v, self.k_offset)
         return fn(
             self.q,
@@ -300,7 +300,7 @@ def test_random_batches_match_contiguous(batch):
     case = make_case(shapes, page_size, *heads, head_dim=32, seed=seed)
     ref = case.reference(window)
     assert _max_err(case.paged(sliding_window=window), ref) < EXACT
-    assert _max_err(case.paged(paged_attention_dispatch, window), ref) < EXACT
+    assert _max_err(case.paged(paged_attention, window), ref) < EXACT
 
 
 def test_block_table_dtype_and_padding_do_not_matter():
@@ -381,7 +381,7 @@ def test_dispatch_on_cpu_uses_torch_paths():
     for shapes in (MIXED, DECODE):
         for fmt in (FP32, half, KVFormat(6), asym(4)):
             case = make_case(shapes, 16, fmt_k=fmt, fmt_v=fmt, key_mean=3.0 if fmt.bits else 0.0)
-            assert _max_err(case.paged(paged_attention_dispatch), case.paged()) < EXACT
+            assert _max_err(case.paged(paged_attention), case.paged()) < EXACT
 
 
 # ---- Triton, through its CPU interpreter ------------------------------------------------

@@ -1,4 +1,4 @@
-"""Allocating pages for a job (ENGINE_SPEC §2) and sharing them (§7, §8)."""
+"""Allocating pages for a job (docs/ENGINE.md §2) and sharing them (§7, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`folio bench cache`: the eviction-order comparison (ENGINE_SPEC §4) and a tiny
+"""`folio bench cache`: the eviction-order comparison (docs/ENGINE.md §4) and a tiny
 end-to-end run."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 
-from engine.bench_cache import _bench_eviction_policies, _eviction_workload, run_cache_bench
+from engine.bench.cache import _bench_eviction_policies, _eviction_workload, run_cache_bench
 
 
 def test_workload_is_deterministic_and_chats_share_their_history():

@@ -1,11 +1,11 @@
-"""Defragmentation (ENGINE_SPEC §5): contents kept, chains contiguous, few moves."""
+"""Defragmentation (docs/ENGINE.md §5): contents kept, chains contiguous, few moves."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.cache import EventKind
+from engine.cache import CacheEventKind
 from engine.cache.defrag import plan_defrag
 from tests.engine.cache import fill, make_table, read_rows
 
@@ -72,7 +72,7 @@ def test_defrag_keeps_contents_and_lays_chains_out_contiguously():
         assert steps == [1] * (len(chain) - 1), f"chain not contiguous: {[p.index for p in chain]}"
     assert table.storage.page_copies - copies_before == result.copies
     assert table.counters.defrags == 1
-    assert any(e.kind is EventKind.DEFRAG_MOVE for e in table.events)
+    assert any(e.kind is CacheEventKind.DEFRAG_MOVE for e in table.events)
     # A second pass has nothing left to do.
     assert table.defrag() is None
 

@@ -1,4 +1,4 @@
-"""Eviction order (ENGINE_SPEC §4) on hand-built trees, and under real pressure."""
+"""Eviction order (docs/ENGINE.md §4) on hand-built trees, and under real pressure."""
 
 from __future__ import annotations
 

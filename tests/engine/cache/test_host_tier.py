@@ -1,4 +1,4 @@
-"""Host tier (ENGINE_SPEC §5): push on eviction, restore by copy, its own eviction."""
+"""Host tier (docs/ENGINE.md §5): push on eviction, restore by copy, its own eviction."""
 
 from __future__ import annotations
 

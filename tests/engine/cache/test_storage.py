@@ -64,7 +64,7 @@ def test_move_cycle_rotates_with_length_plus_one_copies(storage):
 
 def test_sizes():
     dense = PagedKVStorage(30, 4, 256, dense_allocator(3, 64))
-    # 30 layers x 3 heads x 64 x (K, V) x 4 bytes: 46 KB per token (ENGINE_SPEC §9)
+    # 30 layers x 3 heads x 64 x (K, V) x 4 bytes: 46 KB per token (docs/ENGINE.md §9)
     assert dense.bytes_per_token == 30 * 3 * 64 * 2 * 4
     assert dense.nbytes() == 4 * dense.bytes_per_page
     per_page = PagedKVStorage.bytes_per_page_for(30, 256, dense_allocator(3, 64))

@@ -8,6 +8,7 @@ from engine.cache.kv_cache import CacheSettings, KVCache
 from engine.generator.generator import Generator, GeneratorSettings
 from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
+from engine.model.calibration import calibration_for
 
 GREEDY = SamplingSettings(temperature=0)
 
@@ -20,9 +21,8 @@ def make_generator(
     loaded, page_size: int = 16, tokens: int = 1024, cache: CacheSettings | None = None, **settings
 ) -> Generator:
     cache_settings = cache or CacheSettings(page_size=page_size, token_budget=tokens)
-    return Generator(
-        loaded, KVCache.for_model(loaded, cache_settings), GeneratorSettings(**settings)
-    )
+    kv = KVCache.for_model(loaded, cache_settings, calibration_for(loaded, cache_settings))
+    return Generator(loaded, kv, GeneratorSettings(**settings))
 
 
 def drain(
@@ -58,6 +58,14 @@ def run_alone(loaded, request: JobRequest, **kwargs) -> JobResult:
     gen = make_generator(loaded, **kwargs)
     job = gen.submit(request)
     return drain(gen)[job.job_id]
+
+
+def complete(gen: Generator, request: JobRequest) -> tuple[str, JobResult]:
+    """One job run to its end on `gen`: the text its events streamed, and its result."""
+    events: list[JobEvent] = []
+    job = gen.submit(request)
+    result = drain(gen, events)[job.job_id]
+    return stream_text(events, job.job_id), result
 
 
 def stream_text(events: list[JobEvent], job_id: int, index: int = 0) -> str:

@@ -1,4 +1,4 @@
-"""The continuous-batching generator (ENGINE_SPEC §3, §7, §8) on a tiny random model and
+"""The continuous-batching generator (docs/ENGINE.md §3, §7, §8) on a tiny random model and
 on SmolLM2: batching, prefix caching and requeue change nothing in the output; pages
 never leak; sharing saves pages; bad input ends cleanly."""
 

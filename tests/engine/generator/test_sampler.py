@@ -1,4 +1,4 @@
-"""The sampler (ENGINE_SPEC §7): transformers' logits processors as the reference for
+"""The sampler (docs/ENGINE.md §7): transformers' logits processors as the reference for
 the processed distribution, then greedy, seeding, batch invariance and frequencies."""
 
 from __future__ import annotations

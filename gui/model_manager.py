@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.cache.kv_cache import CacheSettings
-from engine.hub.download import DownloadManager
+from engine.hub.downloads import DownloadManager
 from engine.hub.library import mark_used
 from engine.hub.remote import DEFAULT_ENDPOINT, hub_endpoint
 from engine.hub.token import load_token, save_token
@@ -38,7 +38,7 @@ from gui.models.library import LibraryTab
 DISCOVER, DOWNLOADS, MY_MODELS = range(3)
 
 
-class ModelsDialog(QDialog):
+class ModelManager(QDialog):
     # Path of a model the user asked to load; the main window loads it.
     load_requested = Signal(object)
 

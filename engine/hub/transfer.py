@@ -1,4 +1,8 @@
-"""Download models from the Hub: resumable, verified, cancellable, queued on a worker thread.
+"""One download from the Hub: resumable, verified, cancellable; the models folder's on-disk state.
+
+:func:`download_model` fetches one :class:`DownloadRequest` (a GGUF file or a
+safetensors folder) on the calling thread; engine/hub/downloads.py queues requests
+and runs them on a worker thread.
 
 Layout inside the models folder (``$FOLIO_MODELS_DIR`` or the user data folder)::
 
@@ -24,16 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
-import queue
 import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -50,16 +52,18 @@ from engine.hub.errors import (
 )
 from engine.hub.remote import HubFile, ModelCandidate, RemoteFile, request_headers, resolve_file
 from engine.model.fetch import STAMP_SUFFIX
+from engine.units import format_bytes
 
 __all__ = [
     "CancelToken",
-    "DownloadManager",
     "DownloadProgress",
     "DownloadRequest",
     "DownloadState",
+    "ProgressCallback",
     "discard_partial",
     "download_model",
     "pending_downloads",
+    "read_stamp",
     "repo_folder",
 ]
 
@@ -69,10 +73,6 @@ REQUEST_PREFIX = ".download-"
 FOLDER_MARKER = ".folio-model.json"
 READ_TIMEOUT_S = 30.0
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _mb(n: int | None) -> str:
-    return "an unknown amount" if n is None else f"{n / 1e6:,.0f} MB"
 
 
 def repo_folder(repo_id: str) -> str:
@@ -275,7 +275,7 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _read_stamp(path: Path) -> dict | None:
+def read_stamp(path: Path) -> dict | None:
     try:
         data = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
         st = path.stat()
@@ -291,7 +291,7 @@ def _read_stamp(path: Path) -> dict | None:
 
 
 def _already_verified(path: Path, f: HubFile) -> bool:
-    stamp = _read_stamp(path)
+    stamp = read_stamp(path)
     if stamp is None:
         return False
     if f.sha256:
@@ -339,7 +339,7 @@ def download_model(
 ) -> Path:
     """Download (or resume) ``request`` into the models folder; return the path to load.
 
-    Blocks the calling thread: run it on a worker (see :class:`DownloadManager`).
+    Blocks the calling thread: run it on a worker (see engine.hub.downloads.DownloadManager).
     ``progress`` receives :class:`DownloadProgress` snapshots on this thread. Raises
     :class:`DownloadCancelled` (partial kept), :class:`DiskFullError` (partial kept),
     :class:`VerificationError` (bytes deleted), :class:`HubUnreachableError` after
@@ -408,9 +408,12 @@ def _disk_full(
     request: DownloadRequest, folder: Path, partial: Path | None, remaining: int | None = None
 ) -> DiskFullError:
     free = _free_bytes(folder)
-    need = f"; about {_mb(remaining)} more is needed" if remaining is not None else ""
+    need = (
+        f"; about {format_bytes(remaining, 'MB')} more is needed" if remaining is not None else ""
+    )
+    free_words = format_bytes(free, "MB", unknown="an unknown amount")
     return DiskFullError(
-        f"the disk is full: {_mb(free)} free in {folder}{need} to finish {request.name}. "
+        f"the disk is full: {free_words} free in {folder}{need} to finish {request.name}. "
         f"The part already downloaded is kept: free some space, then resume the download",
         free,
         partial,
@@ -481,8 +484,9 @@ def _download_file(
         # `retries` attempts in a row that brought nothing new.
         failures = 0 if have > before else failures + 1
         if failures > retries:
+            total = format_bytes(expected_size, "MB", unknown="an unknown amount")
             raise HubUnreachableError(
-                f"the download of {f.path} stopped at {_mb(have)} of {_mb(expected_size)}: "
+                f"the download of {f.path} stopped at {format_bytes(have, 'MB')} of {total}: "
                 f"the Hub cannot be reached: check your connection. The part already downloaded "
                 f"is kept; resume the download to continue"
             )
@@ -624,239 +628,3 @@ def discard_partial(request: DownloadRequest, models_dir: Path | str | None = No
     with contextlib.suppress(OSError):
         folder.rmdir()  # only if nothing else is in it
     return freed
-
-
-# --------------------------------------------------------------------------- the queue
-
-
-@dataclass
-class _Job:
-    id: int
-    request: DownloadRequest
-    cancel: CancelToken
-    last: DownloadProgress
-    done: threading.Event
-
-
-class DownloadManager:
-    """A queue of downloads run one at a time on a worker thread.
-
-    Thread model: every public method may be called from any thread (the GUI's);
-    callbacks registered with :meth:`subscribe` run on the worker thread (and on the
-    caller's thread for a job cancelled while still queued), so a Qt bridge should
-    re-emit them as signals. Callbacks receive immutable :class:`DownloadProgress`
-    snapshots and must not block.
-    """
-
-    def __init__(
-        self,
-        models_dir: Path | str | None = None,
-        *,
-        endpoint: str | None = None,
-        token: str | None = None,
-        retries: int = 5,
-        progress_interval_s: float = 0.1,
-    ):
-        self.models_dir = paths.models_dir(models_dir)
-        self.endpoint = endpoint
-        self.token = token
-        self.retries = retries
-        self.progress_interval_s = progress_interval_s
-        self._lock = threading.Lock()
-        self._jobs: dict[int, _Job] = {}
-        self._ids = itertools.count(1)
-        self._queue: queue.Queue[int | None] = queue.Queue()
-        self._subscribers: list[ProgressCallback] = []
-        self._worker: threading.Thread | None = None
-        self._closed = False
-
-    # -- subscriptions ---------------------------------------------------------------
-    def subscribe(self, callback: ProgressCallback) -> Callable[[], None]:
-        """Call ``callback(progress)`` on every change; returns a function that unsubscribes."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def _publish(self, job: _Job, progress: DownloadProgress) -> None:
-        with self._lock:
-            job.last = progress
-            subscribers = list(self._subscribers)
-        for cb in subscribers:
-            with contextlib.suppress(Exception):  # a broken view must not kill the download
-                cb(progress)
-
-    # -- queue -----------------------------------------------------------------------
-    def enqueue(self, item: ModelCandidate | DownloadRequest) -> int:
-        """Queue a download (or return the id of the same one already queued or running)."""
-        request = DownloadRequest.from_candidate(item) if isinstance(item, ModelCandidate) else item
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the download manager is closed")
-            for job in self._jobs.values():
-                if job.request.key == request.key and not job.last.state.finished:
-                    return job.id
-            job_id = next(self._ids)
-            job = _Job(
-                job_id, request, CancelToken(), self._initial(job_id, request), threading.Event()
-            )
-            self._jobs[job_id] = job
-        self._publish(job, job.last)
-        self._queue.put(job_id)
-        self._ensure_worker()
-        return job_id
-
-    def _initial(self, job_id: int, request: DownloadRequest) -> DownloadProgress:
-        return DownloadProgress(
-            job_id,
-            DownloadState.QUEUED,
-            request.repo_id,
-            request.name,
-            total_bytes=request.total_bytes,
-            message="queued",
-        )
-
-    def resume(self, job_id: int) -> None:
-        """Queue a cancelled or failed job again; it continues from the bytes on disk."""
-        with self._lock:
-            job = self._jobs[job_id]
-            if not job.last.state.finished or job.last.state == DownloadState.DONE:
-                return
-            job.cancel = CancelToken()
-            job.done = threading.Event()
-            job.last = self._initial(job_id, job.request)
-        self._publish(job, job.last)
-        self._queue.put(job_id)
-        self._ensure_worker()
-
-    def cancel(self, job_id: int) -> None:
-        """Stop a job (queued or running); its partial file stays for :meth:`resume`."""
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or job.last.state.finished:
-                return
-            job.cancel.cancel()
-            queued = job.last.state == DownloadState.QUEUED
-        if queued:  # never started: report it now rather than when the worker reaches it
-            self._finish(job, DownloadState.CANCELLED, "cancelled before it started")
-
-    def discard(self, job_id: int) -> int:
-        """Forget a finished, failed or cancelled job and delete its partial files; bytes freed."""
-        with self._lock:
-            job = self._jobs[job_id]
-            if not job.last.state.finished:
-                raise RuntimeError("cancel the download before discarding it")
-            del self._jobs[job_id]
-        if job.last.state == DownloadState.DONE:
-            return 0
-        return discard_partial(job.request, self.models_dir)
-
-    def status(self, job_id: int) -> DownloadProgress:
-        with self._lock:
-            return self._jobs[job_id].last
-
-    def jobs(self) -> list[DownloadProgress]:
-        with self._lock:
-            return [j.last for j in self._jobs.values()]
-
-    def wait(self, job_id: int, timeout: float | None = None) -> DownloadProgress:
-        """Block until the job is done, failed or cancelled (for scripts and tests)."""
-        with self._lock:
-            done = self._jobs[job_id].done
-        if not done.wait(timeout):
-            raise TimeoutError(f"download {job_id} still running after {timeout} s")
-        return self.status(job_id)
-
-    def resume_pending(self) -> list[int]:
-        """Queue every download left unfinished by an earlier session; their ids."""
-        return [self.enqueue(r) for r in pending_downloads(self.models_dir)]
-
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Cancel everything and stop the worker (partial files stay for next time)."""
-        with self._lock:
-            self._closed = True
-            jobs = [j.id for j in self._jobs.values() if not j.last.state.finished]
-        for job_id in jobs:
-            self.cancel(job_id)
-        self._queue.put(None)
-        if self._worker is not None:
-            self._worker.join(timeout)
-
-    # -- worker ----------------------------------------------------------------------
-    def _ensure_worker(self) -> None:
-        with self._lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(
-                    target=self._run, name="folio-downloads", daemon=True
-                )
-                self._worker.start()
-
-    def _finish(
-        self,
-        job: _Job,
-        state: DownloadState,
-        message: str,
-        error: HubError | None = None,
-        path: Path | None = None,
-    ) -> None:
-        last = self.status(job.id)
-        self._publish(
-            job,
-            replace(
-                last,
-                state=state,
-                message=message,
-                error=error,
-                path=path,
-                bytes_per_s=None,
-                eta_s=None,
-            ),
-        )
-        job.done.set()
-
-    def _run(self) -> None:
-        while True:
-            job_id = self._queue.get()
-            if job_id is None:
-                return
-            with self._lock:
-                job = self._jobs.get(job_id)
-                if job is None or job.last.state != DownloadState.QUEUED or job.cancel.cancelled:
-                    continue
-                # Claimed under the lock: a cancel from now on goes through the token.
-                job.last = replace(job.last, state=DownloadState.DOWNLOADING, message="starting")
-            self._run_job(job)
-
-    def _run_job(self, job: _Job) -> None:
-        def progress(p: DownloadProgress) -> None:
-            if p.state != DownloadState.DONE:
-                self._publish(job, p)
-
-        try:
-            path = download_model(
-                job.request,
-                models_dir=self.models_dir,
-                endpoint=self.endpoint,
-                token=self.token,
-                progress=progress,
-                cancel=job.cancel,
-                retries=self.retries,
-                job_id=job.id,
-                progress_interval_s=self.progress_interval_s,
-            )
-        except DownloadCancelled as exc:
-            self._finish(job, DownloadState.CANCELLED, str(exc), exc)
-        except HubError as exc:
-            self._finish(job, DownloadState.FAILED, str(exc), exc)
-        except Exception as exc:  # anything unexpected still ends the job in words
-            err = explain(exc, job.request.repo_id, job.request.name)
-            self._finish(job, DownloadState.FAILED, str(err), err)
-        else:
-            last = self.status(job.id)
-            done = last.total_bytes if last.total_bytes is not None else last.done_bytes
-            self._publish(job, replace(last, done_bytes=done))
-            self._finish(job, DownloadState.DONE, f"downloaded and verified: {path}", path=path)

@@ -10,11 +10,12 @@ import pytest
 from PySide6.QtWidgets import QMessageBox
 
 from engine.cache.kv_cache import CacheSettings
-from engine.hub.download import DownloadManager, DownloadState
+from engine.hub.downloads import DownloadManager
 from engine.hub.errors import UNREACHABLE
-from gui.models.common import fmt_bytes
+from engine.hub.transfer import DownloadState
+from engine.units import format_bytes
+from gui.model_manager import DISCOVER, DOWNLOADS, MY_MODELS, ModelManager
 from gui.models.downloads import BAR_STEPS
-from gui.models_dialog import DISCOVER, DOWNLOADS, MY_MODELS, ModelsDialog
 from tests.engine.hub_server import FakeHub
 from tests.engine.test_hub import tiny_gguf
 
@@ -51,9 +52,9 @@ def hub(tmp_path, monkeypatch, model_bytes):
     yield from server.serve_isolated(monkeypatch, tmp_path)
 
 
-def make_dialog(qtbot) -> ModelsDialog:
+def make_dialog(qtbot) -> ModelManager:
     # A 256-token cache of 16-token pages; progress on every chunk so the test sees it.
-    dialog = ModelsDialog(
+    dialog = ModelManager(
         cache_settings=lambda: CacheSettings(page_size=16, token_budget=256),
         manager=DownloadManager(progress_interval_s=0),
     )
@@ -70,14 +71,14 @@ def dialog(qtbot, hub):
     d.shutdown()
 
 
-def search(qtbot, dialog: ModelsDialog, text: str = "") -> list[str]:
+def search(qtbot, dialog: ModelManager, text: str = "") -> list[str]:
     dialog.discover.query.setText(text)
     dialog.discover.search_button.click()
     qtbot.waitUntil(lambda: not dialog.discover.runner.busy, timeout=TIMEOUT)
     return [r.repo_id for r in dialog.discover.results]
 
 
-def open_repo(qtbot, dialog: ModelsDialog, repo_id: str) -> dict[str, str]:
+def open_repo(qtbot, dialog: ModelManager, repo_id: str) -> dict[str, str]:
     """Select ``repo_id`` in the results; its files' fit chips, by file name."""
     tab = dialog.discover
     row = [r.repo_id for r in tab.results].index(repo_id)
@@ -90,7 +91,7 @@ def open_repo(qtbot, dialog: ModelsDialog, repo_id: str) -> dict[str, str]:
 
 
 def download(
-    qtbot, dialog: ModelsDialog, repo_id: str, name: str, before: Callable[[], None] = lambda: None
+    qtbot, dialog: ModelManager, repo_id: str, name: str, before: Callable[[], None] = lambda: None
 ) -> int:
     search(qtbot, dialog)
     open_repo(qtbot, dialog, repo_id)
@@ -102,7 +103,7 @@ def download(
     return dialog.downloads.order[0]
 
 
-def state_text(dialog: ModelsDialog, job_id: int) -> str:
+def state_text(dialog: ModelManager, job_id: int) -> str:
     return dialog.downloads.table.item(dialog.downloads.row_of(job_id), 4).text()
 
 
@@ -262,12 +263,12 @@ def test_delete_asks_then_reports_the_freed_bytes(
 
     monkeypatch.setattr(QMessageBox, "question", answer(QMessageBox.StandardButton.No))
     library.delete_button.click()
-    assert path.exists() and fmt_bytes(len(model_bytes)) in asked[0]
+    assert path.exists() and format_bytes(len(model_bytes)) in asked[0]
 
     monkeypatch.setattr(QMessageBox, "question", answer(QMessageBox.StandardButton.Yes))
     library.delete_button.click()
     assert not path.exists()
-    assert library.message.text() == f"Deleted {path.stem}: {fmt_bytes(len(model_bytes))} freed."
+    assert library.message.text() == f"Deleted {path.stem}: {format_bytes(len(model_bytes))} freed."
     qtbot.waitUntil(lambda: library.table.rowCount() == 0, timeout=TIMEOUT)
 
 
@@ -324,15 +325,15 @@ def test_main_window_opens_one_models_window(qtbot, hub, tmp_path, monkeypatch):
     monkeypatch.setattr(window, "load_model", loads.append)
     try:
         action.trigger()
-        first = window.models_dialog
+        first = window.model_manager
         assert first.isVisible() and first.tabs.currentIndex() == DISCOVER
         first.close()
         assert not first.isVisible()
         action.trigger()
-        assert window.models_dialog is first and first.isVisible()
+        assert window.model_manager is first and first.isVisible()
         first.library.load_requested.emit(Path("/models/x.gguf"))
         assert loads == [Path("/models/x.gguf")]
     finally:
-        window.models_dialog.shutdown()
+        window.model_manager.shutdown()
         window.close()
         store.close()

@@ -1,0 +1,133 @@
+"""Admission and requeue (docs/ENGINE.md §3, §7): which jobs run, and which wait.
+
+`Scheduler` owns the two queues: `pending` (jobs waiting for pages or batch slots, in
+order; a requeued job goes back to the front) and `active` (jobs prefilling or
+decoding). A pending job starts when the batch has a slot for each of its sequences
+and the cache has the pages its round needs, less what running jobs with several
+sequences may still copy. A job that does not fit is skipped; one skipped
+`max_skips` times holds back every job behind it, so small jobs cannot starve it.
+Pages change hands only through the page table; this module decides *when*.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from engine.cache.page import CacheFullError
+from engine.cache.page_table import PageTable
+from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobState
+from engine.generator.settings import GeneratorSettings
+
+
+class Scheduler:
+    """The pending and active queues, and the admission decisions between them."""
+
+    def __init__(
+        self, pages: PageTable, settings: GeneratorSettings, clock: Callable[[], float]
+    ):
+        self.pages = pages
+        self.page_size = pages.page_size
+        self.settings = settings
+        self.clock = clock
+        self.pending: deque[Job] = deque()
+        self.active: list[Job] = []
+
+    def check_fits(self, request: JobRequest, prompt_len: int) -> None:
+        """Every token of a sequence must be in the cache while it runs, requeue or not:
+        raise CacheFullError for a job that could never start."""
+        total = self.pages.pages_total(prompt_len, request.max_new_tokens)
+        full = (prompt_len - 1) // self.page_size
+        need = total + (request.width - 1) * (total - full)
+        if need > self.pages.num_pages:
+            raise CacheFullError(
+                need, self.pages.num_pages, prompt_len + request.max_new_tokens, self.page_size
+            )
+
+    def start_pending_jobs(self, events: list[JobEvent]) -> None:
+        """Start, in queue order, every pending job that fits; note why the others wait."""
+        if not self.pending:
+            return
+        slots = self.settings.max_batch_size - sum(j.width for j in self.active)
+        available = len(self.pages.unreferenced) - self._reserved_for_copies()
+        held_back = False
+        reuse = self.settings.prefix_caching
+        for job in list(self.pending):
+            if held_back:
+                job.wait_reason = "held: a job ahead of it was skipped too often and goes first"
+                continue
+            seq = job.sequences[0]
+            rq = self._round_tokens(job)
+            total = self.pages.pages_total(len(seq.tokens), rq)
+            need = self.pages.pages_needed(seq.tokens, rq, reuse) + self._cow_pages(job, total)
+            if job.width > slots:
+                job.wait_reason = f"batch full: needs {job.width} slot(s), {max(slots, 0)} free"
+            elif need > available:
+                job.wait_reason = f"not enough free pages: needs {need}, {max(available, 0)} free"
+            else:
+                self.pending.remove(job)
+                self._start(job, rq, events)
+                slots -= job.width
+                available -= need
+                continue
+            job.skips += 1
+            if job.skips >= self.settings.max_skips:
+                held_back = True
+
+    def requeue(self, job: Job) -> None:
+        """The round's pages are full: give them back (their content stays cached) and
+        go to the front of the queue with everything so far as the prompt (§7)."""
+        job.sequences[0].release(self.pages)
+        self.active.remove(job)
+        job.state = JobState.PENDING
+        job.requeues += 1
+        job.skips = 0
+        self.pending.appendleft(job)
+
+    def remove(self, job: Job) -> None:
+        """Take an ended job out of whichever queue holds it."""
+        if job in self.active:
+            self.active.remove(job)
+        if job in self.pending:
+            self.pending.remove(job)
+
+    def _start(self, job: Job, rq: int, events: list[JobEvent]) -> None:
+        seq = job.sequences[0]
+        seq.alloc = self.pages.allocate(seq.seq_id, seq.tokens, rq, self.settings.prefix_caching)
+        seq.stored = seq.alloc.cached_tokens
+        job.prefill_start = seq.stored
+        job.wait_reason = ""
+        job.state = JobState.PREFILL
+        self.active.append(job)
+        job.note_peak_pages()
+        if job.started is None:
+            job.started = self.clock()
+            job.cached_tokens = seq.alloc.cached_tokens
+            events.append(job.prefill_event(EventKind.STARTED))
+
+    def _round_tokens(self, job: Job) -> int:
+        """Tokens the job may generate before its next requeue (all of them for jobs
+        with several sequences: those are never requeued)."""
+        seq = job.sequences[0]
+        remaining = job.request.max_new_tokens - len(seq.generated)
+        if job.width > 1:
+            return remaining
+        return min(remaining, self.settings.max_rq_tokens)
+
+    def _cow_pages(self, job: Job, total: int) -> int:
+        """Pages the job's extra sequences may still copy: (width - 1) per page that is
+        not a full prompt page, less the pages it already holds beyond one table."""
+        if job.width == 1:
+            return 0
+        seq = job.sequences[0]
+        full = (len(seq.tokens) - 1) // self.page_size
+        bound = (job.width - 1) * (total - full)
+        held = job.held_pages()
+        return max(0, bound - (len(held) - total)) if held else bound
+
+    def _reserved_for_copies(self) -> int:
+        total = 0
+        for job in self.active:
+            if job.width > 1 and job.sequences[0].alloc is not None:
+                total += self._cow_pages(job, len(job.sequences[0].alloc.block_table))
+        return total

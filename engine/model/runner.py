@@ -1,0 +1,65 @@
+"""One sequence's forward passes on the paged cache, with no sampling.
+
+`SequenceRunner` allocates a sequence's pages, feeds it tokens and records after each
+step what the page table must know (fills, content hashes). Perplexity, the forward
+bench and the tests of the forward pass use it; generation goes through
+`engine.generator`, which does the same for many sequences at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.kv_cache import KVCache, StepBatch
+from engine.model.loader import LoadedModel
+
+
+class SequenceRunner:
+    """One sequence on a paged cache: its pages, the tokens whose K/V are stored, and
+    the page table's bookkeeping after each step (fills, content hashes)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache: KVCache,
+        prompt_ids: list[int],
+        max_new_tokens: int = 0,
+        job_id: int = 0,
+    ):
+        self.model = loaded.model
+        self.cache = cache
+        self.tokens = [int(t) for t in prompt_ids]
+        self.alloc = cache.pages.allocate(job_id, self.tokens, max_rq_tokens=max_new_tokens)
+        self.stored = self.alloc.cached_tokens  # leading tokens whose K/V are in the cache
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.alloc.cached_tokens
+
+    def step(self, count: int | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Run the next `count` tokens not yet in the cache (default: all of them).
+        Returns the logits of the last one [vocab], or of each [count, vocab]."""
+        start = self.stored
+        count = len(self.tokens) - start if count is None else count
+        if count < 1 or start + count > len(self.tokens):
+            raise ValueError(f"cannot run {count} tokens from {start} of {len(self.tokens)}")
+        ps = self.cache.page_size
+        for logical in range(start // ps, (start + count - 1) // ps + 1):
+            self.cache.pages.ensure_writable(self.alloc, logical)
+        batch = StepBatch.build([(self.alloc.block_table, start, count)], ps, all_logits)
+        logits = self.model.forward(
+            torch.tensor(self.tokens[start : start + count]), batch, self.cache
+        )
+        self.stored = start + count
+        for logical in range(start // ps, (self.stored - 1) // ps + 1):
+            fill = min(ps, self.stored - logical * ps)
+            self.cache.pages.mark_filled(
+                self.alloc, logical, self.tokens[logical * ps : logical * ps + fill], fill
+            )
+        return logits if all_logits else logits[0]
+
+    def append(self, token: int) -> None:
+        self.tokens.append(int(token))
+
+    def release(self) -> None:
+        self.cache.pages.release(self.alloc)

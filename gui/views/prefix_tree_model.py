@@ -1,0 +1,397 @@
+"""The prefix tree's model: cached pages as the tree of prompts they came from.
+
+A root is the first page of a prompt; its children are the pages that continue it. Two
+chats that share a system prompt share a chain of pages and split at a branch point.
+The layout runs left to right (x = depth, the page's position in the prompt), each
+chain on one row so a long prompt reads as a line and a split as a fork.
+
+Updates are incremental. `apply_events` follows the engine's cache events (page
+stored, removed, evicted, pushed to / restored from the host tier, moved by defrag,
+cleared) and `set_snapshot` reconciles against a snapshot, touching only the pages
+whose state, owners, fill or parent changed since the last one (numpy diffs; no
+per-page Python work for pages that did not change). The layout is recomputed only
+when the shape of the tree changed.
+
+Qt-free, like the page map's model: `gui.views.prefix_tree` draws it and turns clicks
+into selections.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.cache.page import PageState
+from gui.views.page_map_model import chat_keys
+
+if TYPE_CHECKING:
+    from engine.engine import EngineSnapshot
+
+NodeKey = tuple[str, int]  # ("h", hash prefix) for hashed pages, ("p", page) otherwise
+
+X_STEP = 1.6  # layout units from one generation to the next: room for a label
+
+
+def hash_key(hex_or_int: str | int) -> NodeKey:
+    """The node key of a content hash, from an event's hex digest or a snapshot's
+    uint64 prefix (its first 8 bytes, little-endian) alike."""
+    if isinstance(hex_or_int, str):
+        return ("h", int.from_bytes(bytes.fromhex(hex_or_int)[:8], "little"))
+    return ("h", int(hex_or_int))
+
+
+@dataclass
+class TreeNode:
+    key: NodeKey
+    parent: NodeKey | None
+    page: int  # device page, -1 while the page lives only in the host tier
+    state: int = PageState.CACHED
+    ref_count: int = 0
+    fill: int = 0
+    owners: tuple[Any, ...] = ()  # chat keys
+    evict_next: bool = False
+    text: str = ""
+    order: int = 0  # creation order: siblings keep their places as the tree grows
+    pos: tuple[float, float] = (0.0, 0.0)
+    children: list[NodeKey] = field(default_factory=list)
+
+    @property
+    def shared(self) -> bool:
+        return self.ref_count > 1
+
+
+class PrefixTreeModel:
+    """The nodes of the tree, keyed by content hash (or by page while a page has none),
+    with their parents, children, states, owners and layout positions; and which
+    nodes are selected."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[NodeKey, TreeNode] = {}
+        self._by_page: dict[int, NodeKey] = {}
+        self._order = itertools.count()
+        self._prev: dict[str, np.ndarray] = {}
+        self._tokenizer: Any = None
+        self._version = -1
+        self._structure_dirty = True
+        self._selected: set[NodeKey] = set()
+        self.page_size = 0
+        self.last_update: dict[str, int] = {}  # what the last update added, removed, touched
+
+    # -- reading ----------------------------------------------------------------------
+
+    def nodes(self) -> dict[NodeKey, TreeNode]:
+        return dict(self._nodes)
+
+    def node_for_page(self, page: int) -> TreeNode | None:
+        key = self._by_page.get(page)
+        return None if key is None else self._nodes[key]
+
+    def roots(self) -> list[NodeKey]:
+        return [k for k, n in self._nodes.items() if n.parent not in self._nodes]
+
+    def children_of(self, key: NodeKey) -> list[NodeKey]:
+        self.relink()
+        return list(self._nodes[key].children)
+
+    def branch_points(self) -> list[NodeKey]:
+        """Nodes with two or more continuations: where prompts part ways."""
+        self.relink()
+        return [k for k, n in self._nodes.items() if len(n.children) >= 2]
+
+    def chain_pages(self, key: NodeKey) -> list[int]:
+        """Device pages of the node, its ancestors and all its continuations."""
+        self.relink()
+        keys, seen = [], set()
+        k: NodeKey | None = key
+        while k is not None and k in self._nodes and k not in seen:
+            seen.add(k)
+            keys.append(k)
+            k = self._nodes[k].parent
+        stack = list(self._nodes[key].children) if key in self._nodes else []
+        while stack:
+            c = stack.pop()
+            if c not in seen:
+                seen.add(c)
+                keys.append(c)
+                stack.extend(self._nodes[c].children)
+        return sorted(self._nodes[k].page for k in keys if self._nodes[k].page >= 0)
+
+    def get(self, key: NodeKey) -> TreeNode | None:
+        return self._nodes.get(key)
+
+    def parent_of(self, node: TreeNode) -> TreeNode | None:
+        """The node's parent, None for a root (whose parent page is not in the tree)."""
+        return self._nodes.get(node.parent) if node.parent is not None else None
+
+    def is_root(self, node: TreeNode) -> bool:
+        return node.parent not in self._nodes
+
+    def selected(self) -> set[NodeKey]:
+        return set(self._selected)
+
+    # -- feeding: events --------------------------------------------------------------
+
+    def apply_events(self, events: list[dict[str, Any]]) -> bool:
+        """Follow the engine's cache events (`Telemetry.events`); other kinds are
+        ignored. States, owners and fills come with the next `set_snapshot`. True when
+        nodes came or went."""
+        added = removed = 0
+        moves: dict[int, int] = {}
+        for ev in events:
+            kind = ev.get("kind", "")
+            page = ev.get("page", -1)
+            if kind == "page_defrag_move":
+                moves[page] = int(ev.get("detail", -1))
+                continue
+            if moves:
+                self._move_pages(moves)
+                moves = {}
+            if kind == "page_stored":
+                removed += self._drop_page(page)
+                key = hash_key(ev["hash"])
+                parent = hash_key(ev["parent"]) if ev.get("parent") else None
+                old = self._nodes.get(key)
+                if old is not None and old.page >= 0 and old.page != page:
+                    self._by_page.pop(old.page, None)
+                self._put(key, parent, page, PageState.REFERENCED)
+                added += 1
+            elif kind in ("page_removed", "page_evicted"):
+                removed += self._drop_page(page)
+            elif kind == "page_tier_push":
+                key = hash_key(ev["hash"])
+                parent = hash_key(ev["parent"]) if ev.get("parent") else None
+                self._put(key, parent, -1, PageState.HOST)
+                added += 1
+            elif kind == "page_restored":
+                key = hash_key(ev["hash"])
+                parent = hash_key(ev["parent"]) if ev.get("parent") else None
+                removed += self._drop_page(page)
+                self._put(key, parent, page, PageState.REFERENCED)
+                added += 1
+            elif kind == "page_cleared":
+                removed += len(self._nodes)
+                self._nodes.clear()
+                self._by_page.clear()
+                self._structure_dirty = True
+        if moves:
+            self._move_pages(moves)
+        self.last_update = {"events": len(events), "added": added, "removed": removed}
+        return bool(added or removed)
+
+    def _put(self, key: NodeKey, parent: NodeKey | None, page: int, state: int) -> TreeNode:
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = TreeNode(key, parent, page, state, order=next(self._order))
+            self._structure_dirty = True
+        else:
+            if node.parent != parent:
+                node.parent = parent
+                self._structure_dirty = True
+            node.page, node.state = page, state
+        if page >= 0:
+            self._by_page[page] = key
+        return node
+
+    def _drop_page(self, page: int) -> int:
+        key = self._by_page.pop(page, None)
+        if key is None:
+            return 0
+        node = self._nodes.get(key)
+        if node is not None and node.page == page:
+            del self._nodes[key]
+            self._selected.discard(key)
+            self._structure_dirty = True
+            return 1
+        return 0
+
+    def _move_pages(self, moves: dict[int, int]) -> None:
+        """Defrag moves pages in cycles (A to B while B goes to C): apply one batch of
+        moves at once so no mapping is overwritten before it is read."""
+        moving = {src: self._by_page.pop(src) for src in moves if src in self._by_page}
+        for src, key in moving.items():
+            dst = moves[src]
+            if dst >= 0 and key in self._nodes:
+                self._nodes[key].page = dst
+                self._by_page[dst] = key
+
+    # -- feeding: snapshots ----------------------------------------------------------
+
+    def set_snapshot(self, snapshot: EngineSnapshot, tokenizer: Any = None) -> bool:
+        """Reconcile with ``snapshot`` (the truth): fix what events missed or cannot
+        say (placeholder pages being written, states, owners, fills). False when the
+        snapshot is the one already applied; `last_update` says what changed."""
+        if tokenizer is not None and tokenizer is not self._tokenizer:
+            self._tokenizer = tokenizer
+            for node in self._nodes.values():
+                node.text = ""  # decode again with the tokenizer now known
+            self._prev = {}
+        if snapshot.version == self._version and self._prev:
+            return False
+        self._version = snapshot.version
+        self.page_size = snapshot.page_size
+        cache = snapshot.cache
+        n = snapshot.num_pages
+        parent = np.full(n, -1, np.int64)
+        if len(cache.edges):
+            parent[cache.edges[:, 0]] = cache.edges[:, 1]
+        in_tree = (cache.hash_prefix != 0) | (cache.fill > 0)
+        evict = np.zeros(n, bool)
+        if snapshot.eviction_next:
+            evict[np.asarray(snapshot.eviction_next, np.int64)] = True
+        evict &= cache.fill > 0
+        owner_ids = np.zeros(n, np.int64)  # a cheap fingerprint of the owners tuple
+        for page in np.flatnonzero(cache.ref_count > 0).tolist():
+            owner_ids[page] = hash(cache.owners[page])
+        cur = {
+            "hash": cache.hash_prefix.astype(np.uint64),
+            "parent": parent,
+            "state": cache.state.astype(np.int64),
+            "ref": cache.ref_count.astype(np.int64),
+            "fill": cache.fill.astype(np.int64),
+            "owners": owner_ids,
+            "in": in_tree,
+            "evict": evict,
+        }
+        prev = self._prev
+        if not prev or len(prev["hash"]) != n:
+            changed = np.ones(n, bool)
+        else:
+            changed = np.zeros(n, bool)
+            for name, arr in cur.items():
+                changed |= arr != prev[name]
+            # A page whose parent changed identity (a placeholder that got its content
+            # hash) must re-point its children too.
+            rekeyed = (cur["hash"] != prev["hash"]) | (cur["in"] != prev["in"])
+            has_parent = parent >= 0
+            changed[has_parent] |= rekeyed[parent[has_parent]]
+        self._prev = cur
+
+        def key_of(page: int) -> NodeKey:
+            h = int(cache.hash_prefix[page])
+            return ("h", h) if h else ("p", page)
+
+        # Pages the events left out (an event log that overflowed, say) are redone too.
+        missing = [p for p in np.flatnonzero(in_tree).tolist() if p not in self._by_page]
+        if missing:
+            changed[missing] = True
+        removed = added = touched = 0
+        pages = np.flatnonzero(changed).tolist()
+        for page in pages:
+            want = key_of(page) if in_tree[page] else None
+            have = self._by_page.get(page)
+            if have is not None and have != want:
+                removed += self._drop_page(page)
+            if want is None:
+                continue
+            p = int(parent[page])
+            pkey = key_of(p) if p >= 0 and in_tree[p] else None
+            before = len(self._nodes)
+            node = self._put(want, pkey, page, int(cache.state[page]))
+            added += len(self._nodes) - before
+            fill = int(cache.fill[page])
+            if fill != node.fill or not node.text:
+                node.text = self._decode(snapshot, page, fill)
+            node.ref_count = int(cache.ref_count[page])
+            node.fill = fill
+            node.evict_next = bool(evict[page])
+            node.owners = chat_keys(snapshot, cache.owners[page])
+            touched += 1
+        # Host-tier entries: keep those the events told us about, add any they missed,
+        # and drop the ones the tier no longer holds.
+        host = cache.host
+        held = set()
+        if host is not None:
+            held = {int(h) for h in host.hash_prefix[host.state == PageState.HOST].tolist()}
+        for key in [k for k, nd in self._nodes.items() if nd.page < 0]:
+            if key[1] not in held:
+                del self._nodes[key]
+                self._structure_dirty = True
+                removed += 1
+        for h in held:
+            node = self._nodes.get(("h", h))
+            if node is None:
+                self._put(("h", h), None, -1, PageState.HOST)
+                added += 1
+            elif node.page < 0:
+                node.state, node.ref_count, node.owners = PageState.HOST, 0, ()
+        # Any node whose page the snapshot does not show (a missed event) goes.
+        for key in [k for k, nd in self._nodes.items() if nd.page >= 0]:
+            nd = self._nodes[key]
+            if nd.page >= n or not in_tree[nd.page] or key_of(nd.page) != key:
+                if self._by_page.get(nd.page) == key:
+                    del self._by_page[nd.page]
+                del self._nodes[key]
+                self._structure_dirty = True
+                removed += 1
+        self.last_update = {"changed_pages": len(pages), "added": added, "removed": removed,
+                            "touched": touched, "relayout": int(self._structure_dirty)}  # fmt: skip
+        return True
+
+    def _decode(self, snapshot: EngineSnapshot, page: int, fill: int) -> str:
+        if self._tokenizer is None or page >= len(snapshot.page_tokens):
+            return ""
+        ids = list(snapshot.page_tokens[page][:fill])
+        if not ids:
+            return ""
+        try:
+            return self._tokenizer.decode(ids)
+        except Exception:  # noqa: BLE001 - a label must never break drawing
+            return ""
+
+    # -- selection --------------------------------------------------------------------
+
+    def select_pages(self, pages: list[int]) -> None:
+        """Select the nodes of these device pages (what the page map highlights)."""
+        self._selected = {self._by_page[p] for p in pages if p in self._by_page}
+
+    def select_chat(self, tag: Any) -> None:
+        self._selected = {k for k, n in self._nodes.items() if tag in n.owners}
+
+    def select_chain(self, key: NodeKey) -> list[int]:
+        """Select the node and its chain; returns the chain's device pages."""
+        if key not in self._nodes:
+            return []
+        pages = self.chain_pages(key)
+        self.select_pages(pages)
+        self._selected.add(key)
+        return pages
+
+    # -- layout -----------------------------------------------------------------------
+
+    def relink(self) -> bool:
+        """Bring children lists and positions up to date after the tree's shape
+        changed; True when it had to."""
+        if not self._structure_dirty:
+            return False
+        for node in self._nodes.values():
+            node.children = []
+        for node in sorted(self._nodes.values(), key=lambda nd: nd.order):
+            parent = self._nodes.get(node.parent) if node.parent is not None else None
+            if parent is not None:
+                parent.children.append(node.key)
+        self._layout()
+        self._structure_dirty = False
+        return True
+
+    def _layout(self) -> None:
+        """x = depth, y = row; a node sits on its first child's row so every chain is
+        a straight line and a fork steps down."""
+        row = 0.0
+        roots = sorted(
+            (n for n in self._nodes.values() if n.parent not in self._nodes),
+            key=lambda nd: nd.order,
+        )
+        for root in roots:
+            stack: list[tuple[TreeNode, int, bool]] = [(root, 0, True)]
+            while stack:  # iterative: chains can be thousands of pages deep
+                node, depth, first = stack.pop()
+                if not first:
+                    row += 1.0
+                node.pos = (depth * X_STEP, row)
+                kids = [self._nodes[c] for c in node.children]
+                for i, kid in reversed(list(enumerate(kids))):
+                    stack.append((kid, depth + 1, i == 0))
+            row += 1.5  # a little air between prompts that share nothing
