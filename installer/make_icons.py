@@ -1,19 +1,26 @@
 #!/usr/bin/env python3
 """Build Folio's icon set from ``resources/folio.svg``.
 
-    python installer/make_icons.py            # render the PNGs, then build the .ico
+    python installer/make_icons.py            # render the PNGs and their record, then the .ico
     python installer/make_icons.py --ico-only # rebuild folio.ico from existing PNGs
 
-Writes ``resources/icons/folio-<N>.png`` for N in 16..512 and
-``resources/folio.ico``.  The PNGs are rendered with Qt's SVG renderer
-(PySide6-Essentials, which Folio depends on anyway, so run this with the venv's
-Python); the .ico is assembled with the standard library only: an ICONDIR header
-and one directory entry per size, each image stored as a complete PNG (valid in
-.ico files since Windows Vista, and far smaller than BMP entries).
+Writes ``resources/icons/folio-<N>.png`` for N in 16..512, ``resources/folio.ico``
+and ``resources/icons/rendered-from.json``: the SHA-256 of the SVG the PNGs were
+rendered from and of each PNG, so a test can tell on any machine whether the shipped
+PNGs still belong to the current SVG (a pixel comparison cannot be exact across
+machines: Qt's rasterizer rounds differently on different CPUs).
+
+The PNGs are rendered with Qt's SVG renderer (PySide6-Essentials, which Folio depends
+on anyway, so run this with the venv's Python); the .ico is assembled with the
+standard library only: an ICONDIR header and one directory entry per size, each image
+stored as a complete PNG (valid in .ico files since Windows Vista, and far smaller
+than BMP entries).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 import sys
@@ -24,6 +31,7 @@ RESOURCES = ROOT / "resources"
 SVG = RESOURCES / "folio.svg"
 ICONS = RESOURCES / "icons"
 ICO = RESOURCES / "folio.ico"
+RECORD_NAME = "rendered-from.json"  # written beside the PNGs
 PNG_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
 ICO_SIZES = (16, 24, 32, 48, 64, 128, 256)  # .ico entries cannot exceed 256 px
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,6 +39,29 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def png_path(size: int) -> Path:
     return ICONS / f"folio-{size}.png"
+
+
+def record_path() -> Path:
+    return ICONS / RECORD_NAME
+
+
+def svg_sha256(svg: Path) -> str:
+    """SHA-256 of the SVG text with CRLF read as LF, so a Windows checkout hashes alike."""
+    return hashlib.sha256(svg.read_bytes().replace(b"\r\n", b"\n")).hexdigest()
+
+
+def render_record() -> dict:
+    """What the PNGs in ICONS were rendered from: the SVG's hash and each PNG's hash."""
+    return {
+        "svg": SVG.relative_to(RESOURCES).as_posix(),
+        "svg_sha256": svg_sha256(SVG),
+        "pngs": {png_path(s).name: hashlib.sha256(png_path(s).read_bytes()).hexdigest()
+                 for s in PNG_SIZES},
+    }
+
+
+def write_record() -> None:
+    record_path().write_text(json.dumps(render_record(), indent=2) + "\n", encoding="utf-8")
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -95,8 +126,9 @@ def render_pngs() -> None:
 def main(argv: list[str]) -> int:
     if "--ico-only" not in argv:
         render_pngs()
+        write_record()
     ICO.write_bytes(build_ico([png_path(s).read_bytes() for s in ICO_SIZES]))
-    print(f"wrote {len(PNG_SIZES)} PNGs in {ICONS} and {ICO}")
+    print(f"wrote {len(PNG_SIZES)} PNGs and {RECORD_NAME} in {ICONS}, and {ICO}")
     return 0
 
 
