@@ -50,7 +50,7 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 HEADER_READ_BYTES = 2 * 1024**2  # first Range read; doubled until the header fits
 MAX_HEADER_BYTES = 64 * 1024**2  # a 262k-token vocabulary makes headers of ~10 MB
 
-# Files a safetensors model folder needs (engine/model/loader.py, tokenizer.py); the
+# Files a safetensors model folder needs (engine/model/loader.py, engine/model/tokenizer/); the
 # rest of a repository (other formats, images, ONNX, ...) is not downloaded.
 FOLDER_PATTERNS = (
     "config.json",
