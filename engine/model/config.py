@@ -8,6 +8,7 @@ scaled embeddings, sandwich norms and the MLP activation.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,16 @@ _HF_MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
+
+
+# Sanity bounds on header fields, far above any real model (the largest have ~130
+# layers and widths of tens of thousands), checked before anything is sized by them.
+MAX_LAYERS = 4096
+MAX_DIMENSION = 1 << 24
+
+
+class InvalidConfig(ValueError):
+    """Configuration values no model can have (zero heads, widths that do not divide)."""
 
 
 class UnsupportedArchitecture(ValueError):
@@ -87,25 +98,53 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(arch or "(none)", source)
 
+        def bad(problem: str) -> InvalidConfig:
+            return InvalidConfig(f"{source}: {problem}; the file is damaged or not a supported model: download it again")
+
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
             if value is None:
                 raise ValueError(f"{source}: GGUF metadata lacks {arch}.{key}")
             return value
 
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        kv_heads = int(get("attention.head_count_kv", heads))
-        head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0) or hidden // heads)
+        def count(key: str, default: Any = None, limit: int = MAX_DIMENSION) -> int:
+            """A positive integer field, checked before anything is sized by it."""
+            value = get(key, default)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= limit:
+                raise bad(f"{arch}.{key} is {value!r}, not a whole number from 1 to {limit:,}")
+            return int(value)
+
+        hidden = count("embedding_length")
+        heads = count("attention.head_count")
+        kv_heads = count("attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise bad(f"{arch}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+        head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0) or 0)
+        if head_dim == 0:
+            if hidden % heads:
+                raise bad(f"{arch}.embedding_length {hidden} is not a multiple of head_count {heads}")
+            head_dim = hidden // heads
+        if not 0 < head_dim <= MAX_DIMENSION:
+            raise bad(f"head size {head_dim} is out of range")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+            raise bad("tokenizer.ggml.tokens is not an array of strings")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
-            vocab = len(meta.get("tokenizer.ggml.tokens", ()))
-        layers = int(get("block_count"))
+            vocab = len(tokens or ())
+        # 0 (neither given) is left to the loader, which matches it to token_embd's rows.
+        if isinstance(vocab, bool) or not isinstance(vocab, numbers.Integral) or not 0 <= vocab <= MAX_DIMENSION:
+            raise bad(f"the vocabulary size is {vocab!r}")
+        if tokens is not None and len(tokens) > vocab:
+            raise bad(f"tokenizer.ggml.tokens has {len(tokens):,} tokens but the model only {vocab:,}")
+        # Bounded here, before a per-layer tuple is built; the loader then matches it to
+        # the blk.N tensors in the file.
+        layers = count("block_count", limit=MAX_LAYERS)
         common = dict(
             arch=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=count("feed_forward_length"),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -126,8 +165,12 @@ class ModelConfig:
         window = meta.get("gemma3.attention.sliding_window")
         pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
         if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):
+            if len(pattern) != layers:
+                raise bad(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
             sliding = tuple("sliding" if bool(p) else "full" for p in pattern)
         else:
+            if isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern <= 0:
+                raise bad(f"gemma3.attention.sliding_window_pattern is {pattern!r}")
             sliding = tuple("sliding" if (i + 1) % int(pattern) else "full" for i in range(layers))
         return cls(
             **common,

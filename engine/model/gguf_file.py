@@ -16,6 +16,7 @@ file is truncated.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Magic, version and the two counts: a file shorter than this cannot be a model.
 MIN_HEADER_BYTES = 24
+# ggml's GGML_MAX_DIMS (the gguf package does not export it): a tensor has at most 4 dims.
+GGML_MAX_DIMS = 4
 
 SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -47,6 +50,14 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
 }
 _NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
     vt: np.dtype(fmt) for vt, fmt in SCALAR_FORMATS.items()
+}
+# The fewest bytes one array element of each type takes: a string is at least its
+# 8-byte length, an array its 4-byte type and 8-byte count. An array claiming more
+# elements than the rest of the buffer can hold is refused before anything is allocated.
+_MIN_ELEMENT_BYTES: dict[GGUFValueType, int] = {
+    **{vt: dt.itemsize for vt, dt in _NUMPY_DTYPES.items()},
+    GGUFValueType.STRING: 8,
+    GGUFValueType.ARRAY: 12,
 }
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -130,7 +141,7 @@ class _HeaderReader:
 
     def string(self) -> str:
         length = self.u64()
-        self._need(length)
+        self._need(length)  # before slicing: a bogus length must not copy the rest of the file
         raw = self.buf[self.pos : self.pos + length]
         self.pos += length
         return raw.decode("utf-8", errors="replace")
@@ -146,6 +157,7 @@ class _HeaderReader:
     def array(self) -> Any:
         etype = GGUFValueType(self.u32())
         count = self.u64()
+        self._need(count * _MIN_ELEMENT_BYTES[etype])
         if etype in _NUMPY_DTYPES:
             dtype = _NUMPY_DTYPES[etype]
             self._need(count * dtype.itemsize)
@@ -166,10 +178,10 @@ class _HeaderReader:
                 raise _OutOfBytes
             (length,) = unpack(buf, pos)
             pos += 8
+            if pos + length > size:
+                raise _OutOfBytes
             out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
             pos += length
-        if pos > size:
-            raise _OutOfBytes
         self.pos = pos
         return out
 
@@ -185,6 +197,9 @@ def read_header(buf: Buffer, source: str) -> GGUFHeader:
     def fail(problem: str) -> GGUFError:
         return GGUFError(f"{source}: {problem}")
 
+    def damaged(what: str) -> GGUFError:
+        return fail(f"the header is damaged ({what}); the file is damaged or not a supported model: download it again")
+
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise fail("not a GGUF file (bad magic bytes); choose a .gguf model file")
     r = _HeaderReader(buf, 4)
@@ -197,14 +212,19 @@ def read_header(buf: Buffer, source: str) -> GGUFHeader:
         n_tensors = r.u64()
         n_kv = r.u64()
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
-            raise fail("the header is damaged (absurd tensor or key counts): download the file again")
+            raise damaged(f"{n_tensors:,} tensors and {n_kv:,} keys")
         for _ in range(n_kv):
             key = r.string()
             metadata[key] = r.value(r.u32())
         directory = []
         for _ in range(n_tensors):
             name = r.string()
-            dims = [r.u64() for _ in range(r.u32())]
+            n_dims = r.u32()
+            if n_dims > GGML_MAX_DIMS:
+                raise damaged(f"tensor {name!r} has {n_dims:,} dimensions; GGUF allows at most {GGML_MAX_DIMS}")
+            dims = [r.u64() for _ in range(n_dims)]
+            if 0 in dims:
+                raise damaged(f"tensor {name!r} has a dimension of 0 in shape {tuple(reversed(dims))}")
             qtype = r.u32()
             directory.append((name, tuple(reversed(dims)), qtype, r.u64()))
     except _OutOfBytes:
@@ -212,10 +232,15 @@ def read_header(buf: Buffer, source: str) -> GGUFHeader:
     except ValueError as exc:  # a value or array type that GGUF does not define
         if isinstance(exc, GGUFError):
             raise
-        raise fail(f"the header is damaged ({exc}): download the file again") from exc
+        raise damaged(str(exc)) from exc
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int | np.integer) or alignment <= 0:
-        raise fail(f"the header is damaged (alignment {alignment!r}): download the file again")
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int | np.integer)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise damaged(f"general.alignment is {alignment!r}, not a positive power of two")
     alignment = int(alignment)
     data_start = (r.pos + alignment - 1) // alignment * alignment
     tensors = {
@@ -241,7 +266,10 @@ class GGUFFile:
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
             header = read_header(self._map, str(self.path))
             if header.tensors is None:
-                self._fail("the header is cut short; the file is truncated: download it again")
+                self._fail(
+                    "the header runs past the end of the file (a count or length in it is "
+                    "wrong); the file is truncated or damaged: download it again"
+                )
             for info in header.tensors.values():
                 if info.offset + info.nbytes > self.file_size:
                     self._fail(
@@ -278,7 +306,7 @@ class GGUFFile:
 
 
 def _tensor_nbytes(shape: tuple[int, ...], qtype: int) -> int:
-    n = int(np.prod(shape)) if shape else 1
+    n = math.prod(shape)  # Python ints: a bogus shape cannot overflow into a small size
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     except (ValueError, KeyError):

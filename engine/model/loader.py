@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, UnsupportedArchitecture
 from engine.model.gguf_file import GGUFError, GGUFFile
 from engine.model.transformer import Concat, Layer, Linear, Transformer
 from kernels.bf16 import packed_bf16_available, packed_bf16_supported
@@ -164,12 +165,18 @@ def _load_gguf(
         config = ModelConfig.from_gguf_metadata(gf.metadata, str(path))
     except KeyError as exc:
         raise ModelLoadError(f"{path}: GGUF metadata lacks {exc}") from exc
+    except UnsupportedArchitecture:
+        raise
+    except (TypeError, ValueError) as exc:  # InvalidConfig, or a value of the wrong kind
+        message = str(exc) if str(exc).startswith(str(path)) else f"{path}: GGUF metadata is damaged ({exc})"
+        raise ModelLoadError(message) from exc
     for info in gf.tensors.values():
         if info.qtype not in _SUPPORTED_IDS:
             raise ModelLoadError(
                 f"{path}: tensor {info.name!r} uses {info.type_name}, which Folio cannot read; "
                 f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}"
             )
+    _check_gguf_shapes(gf, config, path)
     counts: dict[str, int] = {}
     for info in gf.tensors.values():
         counts[info.type_name] = counts.get(info.type_name, 0) + 1
@@ -265,6 +272,46 @@ def _load_gguf(
         load_seconds=0.0,
         quant_types=counts,
     )
+
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+
+
+def _check_gguf_shapes(gf: GGUFFile, config: ModelConfig, path: Path) -> None:
+    """The header's sizes agree with the tensors in the file, before any weight is read."""
+
+    def damaged(problem: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{path}: {problem}; the file is damaged or not a supported model: download it again"
+        )
+
+    blocks = {int(m.group(1)) for name in gf.tensors if (m := _BLOCK_RE.match(name))}
+    if blocks != set(range(config.num_layers)):
+        raise damaged(
+            f"block_count is {config.num_layers:,} but the file has tensors for "
+            f"{len(blocks):,} layer(s) numbered {min(blocks, default=0)} to {max(blocks, default=-1)}"
+        )
+    h, q, kv, ff = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    expected = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
+    for i in range(config.num_layers):
+        b = f"blk.{i}."
+        expected |= {
+            b + "attn_q.weight": (q, h), b + "attn_k.weight": (kv, h), b + "attn_v.weight": (kv, h),
+            b + "attn_output.weight": (h, q), b + "ffn_gate.weight": (ff, h),
+            b + "ffn_up.weight": (ff, h), b + "ffn_down.weight": (h, ff),
+        }  # fmt: skip
+    for name, shape in expected.items():
+        info = gf.tensors.get(name)
+        if info is not None and info.shape != shape:
+            raise damaged(f"tensor {name!r} has shape {info.shape}, but the header's sizes give {shape}")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != config.vocab_size:
+        raise damaged(f"{len(tokens):,} tokens for an embedding of {config.vocab_size:,} rows")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import tracemalloc
 
 import gguf
 import numpy as np
@@ -167,3 +169,170 @@ def test_header_reader_over_a_prefix(tiny_gguf):
     assert complete_from is not None
     with pytest.raises(GGUFError, match="prefix: not a GGUF file"):
         read_header(b"PK\x03\x04" + bytes(200), "prefix")
+
+
+# -- damaged header values (issue 13, defect 6) ------------------------------------------
+# A small llama file written byte by byte, so any field can hold any value.
+_KV_TYPES = {int: gguf.GGUFValueType.UINT32, str: gguf.GGUFValueType.STRING}
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _kv(key: str, value) -> bytes:
+    if isinstance(value, bytes):  # a type id and value already packed
+        return _str(key) + value
+    if isinstance(value, float):
+        return _str(key) + struct.pack("<If", gguf.GGUFValueType.FLOAT32, value)
+    if isinstance(value, list):  # an array of strings
+        body = b"".join(_str(v) for v in value)
+        return _str(key) + struct.pack("<IIQ", 9, 8, len(value)) + body
+    vt = _KV_TYPES[type(value)]
+    packed = struct.pack("<I", value) if vt == gguf.GGUFValueType.UINT32 else _str(value)
+    return _str(key) + struct.pack("<I", vt) + packed
+
+
+def _raw_gguf(path, meta=None, dims=None, alignment=32, tensor_dims=None):
+    """A loadable 1-layer llama GGUF (f32 weights); ``meta`` overrides keys (None drops one),
+    ``tensor_dims`` overrides one tensor's dims as stored (innermost first)."""
+    h, ff, vocab = 64, 128, 8
+    kv = {
+        "general.architecture": "llama", "general.alignment": alignment,
+        "llama.block_count": 1, "llama.embedding_length": h, "llama.feed_forward_length": ff,
+        "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(vocab)],
+    }  # fmt: skip
+    for key, value in (meta or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+    shapes = {
+        "token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
+        "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (h // 2, h), "blk.0.attn_v.weight": (h // 2, h),
+        "blk.0.attn_output.weight": (h, h), "blk.0.ffn_norm.weight": (h,),
+        "blk.0.ffn_gate.weight": (ff, h), "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff),
+    }  # fmt: skip
+    infos, data, rng = b"", b"", np.random.default_rng(0)
+    for name, shape in shapes.items():
+        stored = (tensor_dims or {}).get(name, tuple(reversed(shape)))
+        infos += _str(name) + struct.pack("<I", len(stored)) + b"".join(struct.pack("<Q", d) for d in stored)
+        infos += struct.pack("<IQ", 0, len(data))
+        data += rng.normal(0, 0.02, size=shape).astype(np.float32).tobytes()
+        data += bytes(-len(data) % 32)
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(shapes), len(kv)) + b"".join(_kv(k, v) for k, v in kv.items())
+    head += infos
+    head += bytes(-len(head) % 32)
+    path.write_bytes(head + data)
+    return path
+
+
+def _load_error(path) -> str:
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path, load_tokenizer=False)
+    msg = str(err.value)
+    assert str(path) in msg, msg
+    return msg
+
+
+def _peak_bytes(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+    except Exception:
+        pass
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak
+
+
+def test_raw_gguf_loads(tmp_path):
+    """The hand-written file the damage tests start from is a valid model."""
+    loaded = load_model(_raw_gguf(tmp_path / "ok.gguf"), load_tokenizer=False)
+    assert loaded.config.num_layers == 1 and loaded.config.vocab_size == 8
+
+
+@pytest.mark.parametrize(
+    "meta, problem",
+    [
+        ({"general.alignment": 0}, "alignment"),
+        ({"general.alignment": 24}, "alignment"),
+        ({"llama.attention.head_count": 0}, "head_count"),
+        ({"llama.attention.head_count_kv": 0}, "head_count_kv"),
+        ({"llama.attention.head_count_kv": 3}, "head_count_kv"),
+        ({"llama.attention.head_count": 5, "llama.attention.head_count_kv": 5}, "embedding_length"),
+        ({"llama.embedding_length": 0}, "embedding_length"),
+        ({"llama.block_count": 2}, "block_count"),
+        ({"llama.block_count": 0}, "block_count"),
+        ({"llama.feed_forward_length": 100}, "ffn_gate"),
+        ({"tokenizer.ggml.tokens": struct.pack("<IIQ", 9, 5, 8) + bytes(32)}, "array of strings"),
+        ({"tokenizer.ggml.tokens": [f"t{i}" for i in range(5)]}, "token_embd"),
+        ({"llama.vocab_size": 7}, "tokens"),
+        ({"llama.attention.head_count": "four"}, "head_count"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, dict) else None,
+)
+def test_damaged_header_value(tmp_path, meta, problem):
+    msg = _load_error(_raw_gguf(tmp_path / "bad.gguf", meta))
+    assert problem in msg and "download it again" in msg, msg
+
+
+def test_damaged_alignment_lists_as_a_problem(tmp_path):
+    """`folio models list` reports a damaged file instead of failing the whole listing."""
+    from engine.hub.library import list_local_models
+
+    _raw_gguf(tmp_path / "ok.gguf")
+    _raw_gguf(tmp_path / "bad.gguf", {"general.alignment": 0})
+    models = {m.path.name: m for m in list_local_models(tmp_path, include_hf_cache=False)}
+    assert models["ok.gguf"].problem is None
+    assert "alignment" in models["bad.gguf"].problem
+
+
+@pytest.mark.parametrize(
+    "dims, problem",
+    [({"blk.0.attn_q.weight": (64, 0)}, "dimension of 0"), ({"output_norm.weight": (1,) * 9}, "dimensions")],
+)
+def test_damaged_tensor_dims(tmp_path, dims, problem):
+    msg = _load_error(_raw_gguf(tmp_path / "bad.gguf", tensor_dims=dims))
+    assert problem in msg, msg
+
+
+def test_huge_block_count_is_refused_without_allocating(tmp_path):
+    path = _raw_gguf(tmp_path / "bad.gguf", {"llama.block_count": 2**31})
+    assert "block_count" in _load_error(path)
+    assert _peak_bytes(lambda: load_model(path, load_tokenizer=False)) < 4 * path.stat().st_size
+
+
+def _patched(tmp_path, name: str, old: bytes, new: bytes):
+    data = bytearray(_raw_gguf(tmp_path / "ok.gguf").read_bytes())
+    at = data.index(old)
+    data[at : at + len(new)] = new
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("count", [2**20, 2**40, 2**64 - 1])
+def test_bogus_array_count_is_refused_without_allocating(tmp_path, count):
+    """An array claiming more elements than the file can hold fails before its elements are read."""
+    old = struct.pack("<IIQ", 9, 8, 8)  # the tokens array: ARRAY of STRING, 8 elements
+    path = _patched(tmp_path, "count.gguf", old, struct.pack("<IIQ", 9, 8, count))
+    _load_error(path)
+    assert _peak_bytes(lambda: GGUFFile(path)) < 2 * path.stat().st_size
+
+
+def test_bogus_string_length_is_refused_without_allocating(tmp_path):
+    old = _str("t3")
+    path = _patched(tmp_path, "len.gguf", old, struct.pack("<Q", 2**40) + b"t3")
+    _load_error(path)
+    assert _peak_bytes(lambda: GGUFFile(path)) < 2 * path.stat().st_size
+
+
+def test_bogus_n_dims_is_refused_without_allocating(tmp_path):
+    name = _str("blk.0.attn_q.weight")
+    path = _patched(tmp_path, "ndims.gguf", name + struct.pack("<I", 2), name + struct.pack("<I", 2**32 - 1))
+    assert "dimensions" in _load_error(path)
+    assert _peak_bytes(lambda: GGUFFile(path)) < 2 * path.stat().st_size
