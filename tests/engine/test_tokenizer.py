@@ -600,3 +600,117 @@ def test_from_folder_minimal(tmp_path):
     assert Tokenizer.from_folder(folder).render_chat([{"role": "user", "content": "x"}]) == "J"
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# hostile chat templates and malformed messages
+# --------------------------------------------------------------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "repeat": ("{{ 'x' * 10**9 }}", "exceed"),
+    "loop_output": ("{% for c in 'y' * 10**6 %}{{ 'z' * 1000 }}{% endfor %}", "exceed"),
+    "concat_doubling": (
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s | length }}",
+        "exceed",
+    ),
+    "center": ("{{ 'a' | center(10**9) }}", "exceed"),
+    "format_width": ("{{ '{:>999999999}'.format(1) }}", "exceed"),
+    "nested_loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
+        "{% endfor %}{% endfor %}{% endfor %}",
+        "takes more than",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_chat_template_is_refused_within_bounds(tmp_path, name):
+    # in a child with a 3 GB address-space limit, so an unbounded template cannot take the machine down
+    template, expected = HOSTILE_TEMPLATES[name]
+    model = write_tiny_gguf(tmp_path / "hostile.gguf", chat_template=template)
+    script = textwrap.dedent(
+        f"""
+        import resource, time
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+        from engine.model.tokenizer import Tokenizer, TokenizerError, chat_template
+        chat_template.MAX_SECONDS = 1.0
+        tok = Tokenizer.from_gguf({str(model)!r}, use_cache=False)
+        start = time.monotonic()
+        try:
+            tok.render_chat([{{"role": "user", "content": "hi"}}])
+        except TokenizerError as exc:
+            assert isinstance(exc, ValueError)
+            print("refused", round(time.monotonic() - start, 1), exc)
+        else:
+            print("rendered")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    verdict = result.stdout.strip()
+    assert verdict.startswith("refused"), verdict
+    assert "hostile.gguf" in verdict and expected in verdict
+    assert float(verdict.split()[1]) < 30
+
+
+def test_chat_output_limit_grows_with_the_messages(tmp_path):
+    model = write_tiny_gguf(
+        tmp_path / "t.gguf",
+        chat_template="{% for m in messages %}{{ m['content'] * 3 }}{% endfor %}",
+    )
+    tok = Tokenizer.from_gguf(model, use_cache=False)
+    big = "é" * 4_000_000  # 12 M characters out, past the fixed 8 MiB, within 4 per input character
+    assert tok.render_chat([{"role": "user", "content": big}]) == big * 3
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        ({"content": "x"}, "message 1: 'role' must be a non-empty string"),
+        ({"role": "", "content": "x"}, "message 1: 'role' must be a non-empty string"),
+        ({"role": "user"}, "message 1: has no 'content'"),
+        ({"role": "user", "content": 3}, "message 1: 'content' must be a string"),
+        ({"role": "user", "content": "a\ud800"}, "message 1: 'content' is not valid text"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "message 1: a content part"),
+        ("just text", "message 1: must be a dict"),
+    ],
+)
+def test_malformed_chat_message_raises_value_error(tmp_path, message, problem):
+    model = write_tiny_gguf(tmp_path / "t.gguf", chat_template="{{ messages[1]['content'] }}")
+    tok = Tokenizer.from_gguf(model, use_cache=False)
+    with pytest.raises(TokenizerError, match=problem) as info:
+        tok.render_chat([{"role": "user", "content": "ok"}, message])
+    assert "t.gguf" in str(info.value)
+
+
+def test_parts_and_tool_call_messages_are_accepted(tmp_path):
+    model = write_tiny_gguf(tmp_path / "t.gguf", chat_template="{{ messages | length }}")
+    tok = Tokenizer.from_gguf(model, use_cache=False)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]},
+    ]
+    assert tok.render_chat(messages) == "2"
+
+
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        ("{{ messages[0].nope.deeper }}", "has no attribute"),
+        ("{% if %}", "Expected an expression"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template failed"),
+        ("{{ 1 // 0 }}", "chat template failed"),
+        ("{{ range(10**6) | list | length }}", "chat template"),
+    ],
+)
+def test_template_errors_become_one_line_value_errors(tmp_path, template, words):
+    model = write_tiny_gguf(tmp_path / "bad.gguf", chat_template=template)
+    tok = Tokenizer.from_gguf(model, use_cache=False)
+    with pytest.raises(TokenizerError, match=words) as info:
+        tok.render_chat([{"role": "user", "content": "x"}])
+    message = str(info.value)
+    assert "bad.gguf" in message and "\n" not in message
+    assert info.value.__cause__ is None

@@ -145,6 +145,7 @@ class Tokenizer:
             tools=tools,
             documents=documents,
             variables=variables,
+            source=self.source,
         )
 
     def encode_chat(
