@@ -163,7 +163,8 @@ class Engine:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel every job (their handles get their last event) and stop the thread."""
+        """Cancel every job (their handles get their last event) and stop the thread.
+        A `submit` from then on raises RuntimeError."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -172,6 +173,14 @@ class Engine:
             if self._thread.is_alive():
                 raise RuntimeError(f"the engine thread did not stop within {timeout} s")
             self._thread = None
+        # No loop drains the inbox now (it never started, or it has returned): end what
+        # is still queued here, so that every handle `submit` returned finishes.
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        events: list[JobEvent] = []
+        for job in self._jobs_from(inbox):
+            events.extend(self.generator.cancel(job.job_id))
+        self._dispatch(events)
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -196,11 +205,14 @@ class Engine:
 
     def submit(self, request: JobRequest) -> JobHandle:
         """Queue a job. Bad requests raise ValueError here, in the caller's thread, with
-        a message that says what to change; nothing is queued then."""
-        if self._stopping:
-            raise RuntimeError("the engine is shut down")
+        a message that says what to change; nothing is queued then. After `shutdown`
+        it raises RuntimeError."""
         prompt, stop_ids = self.generator.prepare(request)
+        # Checked and queued under the lock `shutdown` takes: a job is either refused
+        # here or in the inbox before the loop (or `shutdown`) drains it for the last time.
         with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down: start a new one to submit jobs")
             handle = JobHandle(self.generator.new_job_id(), self)
             self._handles[handle.job_id] = handle
             self._inbox.append((request, prompt, stop_ids, handle))
@@ -235,9 +247,7 @@ class Engine:
                 cancels, self._cancels = self._cancels, []
                 stopping = self._stopping
             events: list[JobEvent] = []
-            for request, prompt, stop_ids, handle in inbox:
-                job = Job(handle.job_id, request, prompt, stop_ids, time.monotonic())
-                gen.enqueue(job)
+            self._jobs_from(inbox)
             for job_id in cancels:
                 events.extend(gen.cancel(job_id))
             if stopping:
@@ -257,6 +267,18 @@ class Engine:
             now = time.monotonic()
             if gen.idle or now - self._last_publish >= self.snapshot_interval:
                 self._publish_snapshot()
+
+    def _jobs_from(
+        self, inbox: list[tuple[JobRequest, list[int], frozenset[int], JobHandle]]
+    ) -> list[Job]:
+        """Queue the submitted jobs on the generator (the loop thread, or `shutdown`
+        once no loop runs)."""
+        jobs = []
+        for request, prompt, stop_ids, handle in inbox:
+            job = Job(handle.job_id, request, prompt, stop_ids, time.monotonic())
+            self.generator.enqueue(job)
+            jobs.append(job)
+        return jobs
 
     def _recover(self) -> None:
         """After a failed step every job has ended; drop whatever they still hold."""

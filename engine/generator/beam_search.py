@@ -7,12 +7,13 @@ releases its pages at once).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from engine.generator.job import BeamHypothesis, Job, Sequence
-from engine.generator.sampler import process_logits
+from engine.generator.sampler import NOTHING_LEFT, process_logits
 from engine.generator.stops import StopReason
 
 
@@ -44,10 +45,12 @@ def select_continuations(job: Job, beams: list[Sequence], logits: torch.Tensor) 
         [job.prompt_ids] * len(beams),
         [b.generated for b in beams],
     )
-    logp = torch.log_softmax(scores, dim=-1)
+    logp = torch.log_softmax(scores, dim=-1)  # a row with no token left is NaN
     total = logp + torch.tensor([b.score for b in beams])[:, None]
-    flat = total.flatten()
+    flat = total.flatten().nan_to_num(nan=-math.inf)
     k = min(2 * width, int(torch.isfinite(flat).sum()))
+    if k == 0 and not job.hypotheses:
+        raise ValueError(NOTHING_LEFT)
     values, order = flat.topk(k)
     vocab = logp.shape[1]
     keep: list[Continuation] = []
@@ -58,7 +61,9 @@ def select_continuations(job: Job, beams: list[Sequence], logits: torch.Tensor) 
         if token in job.stop_token_ids:
             if rank < width:
                 hyp = BeamHypothesis(
-                    parent.generated + [token], value / length**lp, str(StopReason.STOP_TOKEN)
+                    parent.generated + [token],
+                    _normalised(value, length, lp),
+                    str(StopReason.STOP_TOKEN),
                 )
                 job.hypotheses.append(hyp)
             continue
@@ -69,7 +74,9 @@ def select_continuations(job: Job, beams: list[Sequence], logits: torch.Tensor) 
     if at_limit:
         for c in keep:
             hyp = BeamHypothesis(
-                c.parent.generated + [c.token], c.score / length**lp, str(StopReason.MAX_NEW_TOKENS)
+                c.parent.generated + [c.token],
+                _normalised(c.score, length, lp),
+                str(StopReason.MAX_NEW_TOKENS),
             )
             job.hypotheses.append(hyp)
     if at_limit or len(job.hypotheses) >= width or not keep:
@@ -81,3 +88,15 @@ def best_hypotheses(job: Job) -> list[BeamHypothesis]:
     """The job's finished hypotheses, best first, at most `beam_width` of them."""
     ranked = sorted(job.hypotheses, key=lambda h: h.score, reverse=True)
     return ranked[: job.request.beam_width]
+
+
+def _normalised(score: float, length: int, length_penalty: float) -> float:
+    """score / length ** length_penalty, saturating where the power leaves float range
+    (a huge penalty would otherwise raise OverflowError or divide by zero)."""
+    try:
+        divisor = float(length) ** length_penalty
+    except OverflowError:
+        divisor = math.inf
+    if divisor == 0:
+        return math.copysign(math.inf, score) if score else 0.0
+    return score / divisor

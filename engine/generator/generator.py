@@ -32,7 +32,7 @@ from engine.generator.job import (
     JobState,
     Sequence,
 )
-from engine.generator.sampler import Sampler, make_generator
+from engine.generator.sampler import NOTHING_LEFT, NothingToSample, Sampler, make_generator
 from engine.generator.scheduler import Scheduler
 from engine.generator.settings import GeneratorSettings
 from engine.generator.stops import StopHandler, StopReason
@@ -169,8 +169,10 @@ class Generator:
         return events
 
     def start_pending_jobs(self, events: list[JobEvent]) -> None:
-        """Admission (§3): the scheduler starts the pending jobs that fit."""
-        self.scheduler.start_pending_jobs(events)
+        """Admission (§3): the scheduler starts the pending jobs that fit; one that can
+        never start ends here with the scheduler's reason."""
+        for job, reason in self.scheduler.start_pending_jobs(events):
+            self._finish_job(job, StopReason.ERROR, events, reason)
 
     def _defrag_when_drained(self) -> None:
         if self.idle and self.settings.defrag and not self.pages.referenced:
@@ -273,10 +275,11 @@ class Generator:
             return 0
         try:
             logits = self._decode_forward(rows)
-        except Exception as exc:  # noqa: BLE001 - these jobs end, the loop goes on
-            for job in jobs:
-                self._finish_job(job, StopReason.ERROR, events, f"decode failed: {exc}")
-            return 0
+        except Exception:  # noqa: BLE001 - find the jobs it concerns, the others go on
+            jobs, logits = self._decode_each_job(jobs, events)
+            rows = [seq for job in jobs for seq in job.live]
+            if not rows:
+                return 0
         self._mark_decoded(rows)
         now = self.clock()
         row_of = {id(seq): i for i, seq in enumerate(rows)}
@@ -293,6 +296,23 @@ class Generator:
         tokens = torch.tensor([s.tokens[s.stored] for s in rows])
         return self.model.forward(tokens, batch, self.cache)
 
+    def _decode_each_job(
+        self, jobs: list[Job], events: list[JobEvent]
+    ) -> tuple[list[Job], torch.Tensor]:
+        """After a failed batched forward: each job's rows through the model on their own
+        (rewriting a cache slot with the same values is harmless); a job that fails again
+        ends, the others keep their logits, in order. Returns (surviving jobs, logits)."""
+        survivors: list[Job] = []
+        parts: list[torch.Tensor] = []
+        for job in jobs:
+            try:
+                parts.append(self._decode_forward(job.live))
+            except Exception as exc:  # noqa: BLE001 - this job ends, the loop goes on
+                self._finish_job(job, StopReason.ERROR, events, f"decode failed: {exc}")
+            else:
+                survivors.append(job)
+        return survivors, (torch.cat(parts) if parts else torch.empty(0))
+
     def _mark_decoded(self, rows: list[Sequence]) -> None:
         ps = self.page_size
         for seq in rows:
@@ -305,13 +325,9 @@ class Generator:
         self, jobs: list[Job], logits: torch.Tensor, row_of: dict[int, int], events: list[JobEvent]
     ) -> None:
         """Sample the plain and parallel-sampling jobs in one batch, then extend each beam
-        search; a failure ends the jobs it concerns."""
+        search; a failure ends the job it concerns."""
         sampled_jobs = [j for j in jobs if not j.beam]
-        try:
-            self._sample(sampled_jobs, logits, row_of, events)
-        except Exception as exc:  # noqa: BLE001
-            for job in sampled_jobs:
-                self._finish_job(job, StopReason.ERROR, events, f"sampling failed: {exc}")
+        self._sample(sampled_jobs, logits, row_of, events)
         for job in jobs:
             if job.beam and job.state is not JobState.DONE:
                 try:
@@ -340,27 +356,70 @@ class Generator:
         self, jobs: list[Job], logits: torch.Tensor, row_of: dict[int, int], events: list[JobEvent]
     ) -> None:
         """Sample every sequence of plain and parallel-sampling jobs in one batch. A job
-        with n > 1 that has not forked yet draws its n first tokens from one row."""
+        with n > 1 that has not forked yet draws its n first tokens from one row. A
+        failure in one job's part ends that job only."""
         picks: list[tuple[Job, Sequence, int]] = []  # (job, sequence, logits row)
         for job in jobs:
-            if job.width > 1 and not job.forked:
-                row = row_of[id(job.sequences[0])]
-                self._fork_samples(job)
-                picks.extend((job, s, row) for s in job.sequences)
-            else:
-                picks.extend((job, s, row_of[id(s)]) for s in job.live)
-        if not picks:
-            return
-        index = torch.tensor([row for _, _, row in picks])
-        chosen = self.sampler.sample(
-            logits[index],
-            [job.request.sampling for job, _, _ in picks],
-            [seq.rng for _, seq, _ in picks],
-            [job.prompt_ids for job, _, _ in picks],
-            [seq.generated for _, seq, _ in picks],
-        ).tolist()
-        for (job, seq, _), token in zip(picks, chosen, strict=True):
-            self._accept(job, seq, int(token), events)
+            try:
+                if job.width > 1 and not job.forked:
+                    row = row_of[id(job.sequences[0])]
+                    self._fork_samples(job)
+                    picks.extend((job, s, row) for s in job.sequences)
+                else:
+                    picks.extend((job, s, row_of[id(s)]) for s in job.live)
+            except Exception as exc:  # noqa: BLE001
+                self._finish_job(job, StopReason.ERROR, events, f"sampling failed: {exc}")
+        picks = [p for p in picks if p[0].state is not JobState.DONE]
+        drawn = self._draw(picks, logits, events)
+        for job, seq, token in drawn:
+            if job.state is JobState.DONE:
+                continue
+            try:
+                self._accept(job, seq, token, events)
+            except Exception as exc:  # noqa: BLE001
+                self._finish_job(job, StopReason.ERROR, events, f"stop handling failed: {exc}")
+
+    def _draw(
+        self, picks: list[tuple[Job, Sequence, int]], logits: torch.Tensor, events: list[JobEvent]
+    ) -> list[tuple[Job, Sequence, int]]:
+        """One token per pick, in one sampler call. If that call fails, each job draws on
+        its own: the sampler checks and processes every row before any row draws, and rows
+        never depend on each other, so a job picks what it would have picked in the batch;
+        a job that fails on its own ends."""
+        try:
+            return self._draw_batch(picks, logits, events)
+        except Exception:  # noqa: BLE001 - find the jobs it concerns, the others go on
+            drawn: list[tuple[Job, Sequence, int]] = []
+            for job in {id(job): job for job, _, _ in picks}.values():
+                try:
+                    drawn += self._draw_batch([p for p in picks if p[0] is job], logits, events)
+                except Exception as exc:  # noqa: BLE001
+                    self._finish_job(job, StopReason.ERROR, events, f"sampling failed: {exc}")
+            return drawn
+
+    def _draw_batch(
+        self, picks: list[tuple[Job, Sequence, int]], logits: torch.Tensor, events: list[JobEvent]
+    ) -> list[tuple[Job, Sequence, int]]:
+        """One sampler call over the picks; a job whose row has no token left ends."""
+        while picks:
+            index = torch.tensor([row for _, _, row in picks])
+            try:
+                chosen = self.sampler.sample(
+                    logits[index],
+                    [job.request.sampling for job, _, _ in picks],
+                    [seq.rng for _, seq, _ in picks],
+                    [job.prompt_ids for job, _, _ in picks],
+                    [seq.generated for _, seq, _ in picks],
+                ).tolist()
+            except NothingToSample as exc:
+                # No row has drawn yet, so the others sample again exactly as they would have.
+                empty = {id(picks[row][0]): picks[row][0] for row in exc.rows}
+                for job in empty.values():
+                    self._finish_job(job, StopReason.ERROR, events, NOTHING_LEFT)
+                picks = [p for p in picks if id(p[0]) not in empty]
+                continue
+            return [(job, seq, int(t)) for (job, seq, _), t in zip(picks, chosen, strict=True)]
+        return []
 
     def _fork_samples(self, job: Job) -> None:
         """Parallel sampling: the prompt's pages (partial last page included) are shared

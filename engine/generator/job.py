@@ -59,8 +59,10 @@ class JobRequest:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.n > 1 and self.beam_width > 1:
             raise ValueError("choose parallel sampling (n) or beam search (beam_width), not both")
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
+        if not (math.isfinite(self.length_penalty) and abs(self.length_penalty) <= 100):
+            raise ValueError(
+                f"length_penalty must be a number in [-100, 100], got {self.length_penalty!r}"
+            )
         if isinstance(self.stop_strings, str):
             raise ValueError("stop_strings must be a list of strings, not one string")
         for stop in self.stop_strings:

@@ -21,6 +21,19 @@ from dataclasses import dataclass
 import torch
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+# Far beyond any useful logit shift (model logits are tens at most), far inside float32:
+# a larger value would only overflow to inf, and two infs make NaN.
+_MAX_ADJUSTMENT = 1e6
+
+NOTHING_LEFT = "every token was excluded by logit_bias / penalties: nothing left to sample"
+
+
+class NothingToSample(ValueError):
+    """Some rows have no token left (every logit -inf); raised before any row draws."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"{NOTHING_LEFT} (rows {rows})")
+        self.rows = rows
 
 
 @dataclass(frozen=True)
@@ -62,8 +75,11 @@ class SamplingSettings:
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not _is_real(value) or not abs(value) <= _MAX_ADJUSTMENT:
+                raise ValueError(
+                    f"{name} must be a number in [-{_MAX_ADJUSTMENT:g}, {_MAX_ADJUSTMENT:g}], "
+                    f"got {value!r}"
+                )
         seen: set[int] = set()
         for entry in self.logit_bias:
             if not isinstance(entry, tuple) or len(entry) != 2:
@@ -76,9 +92,10 @@ class SamplingSettings:
             if token in seen:
                 raise ValueError(f"logit_bias lists token {token} more than once")
             seen.add(token)
-            if not _is_real(bias) or math.isnan(bias) or bias == math.inf:
+            if not _is_real(bias) or not (bias == -math.inf or abs(bias) <= _MAX_ADJUSTMENT):
                 raise ValueError(
-                    f"logit_bias for token {token} must be finite or -inf, got {bias!r}"
+                    f"logit_bias for token {token} must be -inf (ban) or a number in "
+                    f"[-{_MAX_ADJUSTMENT:g}, {_MAX_ADJUSTMENT:g}], got {bias!r}"
                 )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
@@ -106,15 +123,18 @@ def process_logits(
     """Logits [B, V] after every processor, float32; removed tokens are -inf.
 
     A greedy row keeps only its argmax, so softmax of the result is exactly the
-    distribution each row samples from."""
+    distribution each row samples from. A row with no token left is all -inf (see
+    `empty_rows`); NaN never survives, and +inf becomes the largest float32."""
     _check_batch(logits, settings, prompt_tokens, generated_tokens)
     scores = logits.float().clone()
     _apply_logit_bias(scores, settings)
     _apply_repetition_penalty(scores, settings, prompt_tokens, generated_tokens)
     _apply_presence_frequency_penalties(scores, settings, generated_tokens)
+    _make_orderable(scores)
     greedy = [s.greedy for s in settings]
     greedy_tokens = scores.argmax(dim=-1) if any(greedy) else None
     scores = _apply_temperature(scores, settings)
+    _make_orderable(scores)
     scores = _apply_top_k_top_p(scores, settings)
     scores = _apply_min_p(scores, settings)
     if greedy_tokens is not None:
@@ -123,6 +143,11 @@ def process_logits(
         greedy_rows = torch.tensor(greedy, device=scores.device)[:, None]
         scores.masked_fill_(greedy_rows & ~keep, -math.inf)
     return scores
+
+
+def empty_rows(scores: torch.Tensor) -> list[int]:
+    """Rows of processed scores with no token left to sample (every score -inf)."""
+    return torch.isneginf(scores).all(dim=-1).nonzero().flatten().tolist()
 
 
 class Sampler:
@@ -149,7 +174,8 @@ class Sampler:
         """One token id per row, int64 [B] on the logits' device.
 
         A sampled row draws exactly one uniform from its own generator per call; a
-        greedy row draws none. None as a generator uses torch's global generator."""
+        greedy row draws none. None as a generator uses torch's global generator.
+        Raises NothingToSample, before any row draws, when a row has no token left."""
         if len(generators) != len(settings):
             raise ValueError(f"got {len(generators)} generators for {len(settings)} rows")
         if all(_plain_greedy(s) for s in settings):
@@ -158,6 +184,9 @@ class Sampler:
             _check_batch(logits, settings, prompt_tokens, generated_tokens)
             return logits.argmax(dim=-1)
         scores = process_logits(logits, settings, prompt_tokens, generated_tokens)
+        empty = empty_rows(scores)
+        if empty:
+            raise NothingToSample(empty)
         tokens = scores.argmax(dim=-1)  # greedy rows: their only finite token
         rows = [i for i, s in enumerate(settings) if not s.greedy]
         if not rows:
@@ -174,6 +203,12 @@ class Sampler:
             return picked
         tokens[torch.tensor(rows, device=tokens.device)] = picked
         return tokens
+
+
+def _make_orderable(scores: torch.Tensor) -> None:
+    """NaN (inf - inf, 0 * inf) becomes -inf and +inf the largest float32, in place, so
+    argmax, softmax and the CDF search only ever see ordered values."""
+    scores.nan_to_num_(nan=-math.inf, posinf=torch.finfo(scores.dtype).max, neginf=-math.inf)
 
 
 def _plain_greedy(s: SamplingSettings) -> bool:

@@ -5,7 +5,9 @@ order; a requeued job goes back to the front) and `active` (jobs prefilling or
 decoding). A pending job starts when the batch has a slot for each of its sequences
 and the cache has the pages its round needs, less what running jobs with several
 sequences may still copy. A job that does not fit is skipped; one skipped
-`max_skips` times holds back every job behind it, so small jobs cannot starve it.
+`max_skips` times holds back every job behind it, so small jobs cannot starve it. A
+job that could never fit (more sequences than the batch holds) is refused at once:
+waiting would not help it, and it would hold back the rest.
 Pages change hands only through the page table; this module decides *when*.
 """
 
@@ -23,9 +25,7 @@ from engine.generator.settings import GeneratorSettings
 class Scheduler:
     """The pending and active queues, and the admission decisions between them."""
 
-    def __init__(
-        self, pages: PageTable, settings: GeneratorSettings, clock: Callable[[], float]
-    ):
+    def __init__(self, pages: PageTable, settings: GeneratorSettings, clock: Callable[[], float]):
         self.pages = pages
         self.page_size = pages.page_size
         self.settings = settings
@@ -34,8 +34,12 @@ class Scheduler:
         self.active: list[Job] = []
 
     def check_fits(self, request: JobRequest, prompt_len: int) -> None:
-        """Every token of a sequence must be in the cache while it runs, requeue or not:
-        raise CacheFullError for a job that could never start."""
+        """Raise ValueError for a job that could never start: its sequences run at once,
+        so they must fit the batch, and every token of a sequence must be in the cache
+        while it runs, requeue or not (CacheFullError)."""
+        too_wide = self._too_wide(request.width)
+        if too_wide:
+            raise ValueError(too_wide)
         total = self.pages.pages_total(prompt_len, request.max_new_tokens)
         full = (prompt_len - 1) // self.page_size
         need = total + (request.width - 1) * (total - full)
@@ -44,15 +48,23 @@ class Scheduler:
                 need, self.pages.num_pages, prompt_len + request.max_new_tokens, self.page_size
             )
 
-    def start_pending_jobs(self, events: list[JobEvent]) -> None:
-        """Start, in queue order, every pending job that fits; note why the others wait."""
+    def start_pending_jobs(self, events: list[JobEvent]) -> list[tuple[Job, str]]:
+        """Start, in queue order, every pending job that fits; note why the others wait.
+        Returns the jobs that can never start, taken out of the queue, with the reason:
+        the generator ends them."""
+        refused: list[tuple[Job, str]] = []
         if not self.pending:
-            return
+            return refused
         slots = self.settings.max_batch_size - sum(j.width for j in self.active)
         available = len(self.pages.unreferenced) - self._reserved_for_copies()
         held_back = False
         reuse = self.settings.prefix_caching
         for job in list(self.pending):
+            too_wide = self._too_wide(job.width)
+            if too_wide:  # only a job queued without `check_fits` gets here
+                self.pending.remove(job)
+                refused.append((job, too_wide))
+                continue
             if held_back:
                 job.wait_reason = "held: a job ahead of it was skipped too often and goes first"
                 continue
@@ -73,6 +85,7 @@ class Scheduler:
             job.skips += 1
             if job.skips >= self.settings.max_skips:
                 held_back = True
+        return refused
 
     def requeue(self, job: Job) -> None:
         """The round's pages are full: give them back (their content stays cached) and
@@ -90,6 +103,16 @@ class Scheduler:
             self.active.remove(job)
         if job in self.pending:
             self.pending.remove(job)
+
+    def _too_wide(self, width: int) -> str:
+        """Why a job of `width` sequences can never start, or ""."""
+        batch = self.settings.max_batch_size
+        if width <= batch:
+            return ""
+        return (
+            f"the request needs {width} sequences at once but the batch holds {batch}: "
+            "lower n / beam width, or raise the batch size in Engine settings"
+        )
 
     def _start(self, job: Job, rq: int, events: list[JobEvent]) -> None:
         seq = job.sequences[0]

@@ -216,3 +216,116 @@ def test_folio_chat_command(smollm2_path, monkeypatch, capsys):
     assert main(argv + ["--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "SmolLM2" in out and "last reply: prompt" in out and "legend:" in out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine.model.loader import load_model
+    from tests.engine.tiny_models import make_hf_model, save_hf_folder
+
+    folder = save_hf_folder(make_hf_model("qwen3", seed=5), tmp_path_factory.mktemp("tiny") / "m")
+    return load_model(folder, load_tokenizer=False)
+
+
+def _tiny_engine(loaded, **settings) -> Engine:
+    return Engine(
+        loaded, CacheSettings(page_size=16, token_budget=1024), GeneratorSettings(**settings)
+    )
+
+
+def _ids_request(seed: int, **kwargs) -> JobRequest:
+    prompt = [(seed * 7 + i) % 300 + 1 for i in range(6)]
+    return JobRequest(prompt=prompt, sampling=GREEDY, stop_token_ids=(), **kwargs)
+
+
+def test_a_request_wider_than_the_batch_is_refused_at_submit(tiny):
+    with _tiny_engine(tiny, max_batch_size=2) as engine:
+        with pytest.raises(ValueError, match="batch holds 2: lower n / beam width"):
+            engine.submit(_ids_request(0, max_new_tokens=4, n=3))
+        with pytest.raises(ValueError, match="needs 5 sequences"):
+            engine.submit(_ids_request(0, max_new_tokens=4, beam_width=5))
+        # Nothing was queued, and jobs behind it run.
+        handles = [engine.submit(_ids_request(i, max_new_tokens=4)) for i in range(6)]
+        assert all(h.wait(60).new_tokens == 4 for h in handles)
+
+
+def test_submit_after_shutdown_raises(tiny):
+    engine = _tiny_engine(tiny).start()
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(_ids_request(0, max_new_tokens=4))
+
+
+def test_a_submit_caught_between_check_and_queue_by_shutdown_still_finishes(tiny, monkeypatch):
+    """The window the race used to hit, held open: shutdown runs while a submit is
+    preparing its job. That submit is refused, or its handle finishes."""
+    engine = _tiny_engine(tiny).start()
+    entered, go = threading.Event(), threading.Event()
+    prepare = engine.generator.prepare
+
+    def slow_prepare(request):
+        entered.set()
+        go.wait(10)
+        return prepare(request)
+
+    monkeypatch.setattr(engine.generator, "prepare", slow_prepare)
+    outcome: list = []
+
+    def submit():
+        try:
+            outcome.append(engine.submit(_ids_request(0, max_new_tokens=4)))
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    assert entered.wait(10)
+    engine.shutdown()
+    go.set()
+    thread.join(10)
+    (got,) = outcome
+    if isinstance(got, RuntimeError):
+        assert "shut down" in str(got)
+    else:
+        assert got.wait(5).eos_reason == "cancelled"
+
+
+def _submits_racing_shutdown(loaded, delay: float) -> tuple[list, list[str]]:
+    """Four threads submit while this one shuts the engine down; returns the handles
+    they got and the refusals."""
+    engine = _tiny_engine(loaded).start()
+    handles: list = []
+    refused: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(5)
+
+    def submitter(worker: int) -> None:
+        start.wait()
+        for i in range(20):
+            try:
+                handle = engine.submit(_ids_request(worker * 100 + i, max_new_tokens=3))
+            except RuntimeError as exc:
+                with lock:
+                    refused.append(str(exc))
+                return
+            with lock:
+                handles.append(handle)
+
+    threads = [threading.Thread(target=submitter, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    time.sleep(delay)
+    engine.shutdown()
+    for t in threads:
+        t.join(10)
+    return handles, refused
+
+
+def test_submits_racing_shutdown_all_finish(tiny):
+    for round_ in range(30):
+        handles, refused = _submits_racing_shutdown(tiny, 0.001 * (round_ % 5))
+        for handle in handles:
+            result = handle.wait(5)  # TimeoutError: a handle that never finishes
+            assert result.eos_reason in ("cancelled", "length")
+        assert all("shut down" in r for r in refused)

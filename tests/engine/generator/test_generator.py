@@ -4,6 +4,7 @@ never leak; sharing saves pages; bad input ends cleanly."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -421,3 +422,157 @@ def test_identical_generations_share_their_pages(tiny):
     # Each generated page that filled was found already stored by the other job.
     assert gen.pages.counters.dedup_switches >= 3
     assert results[jobs[1].job_id].peak_pages <= 6
+
+
+@pytest.mark.parametrize("width", [{"n": 3}, {"beam_width": 3}])
+def test_a_request_wider_than_the_batch_is_refused_naming_the_setting(tiny, width):
+    gen = make_generator(tiny, page_size=16, tokens=256, max_batch_size=2)
+    with pytest.raises(ValueError, match="needs 3 sequences at once but the batch holds 2"):
+        gen.submit(JobRequest(prompt=[1, 2, 3], max_new_tokens=4, **width))
+    assert gen.idle
+
+
+def test_a_job_queued_wider_than_the_batch_ends_and_holds_nobody_back(tiny):
+    from engine.generator.job import Job
+
+    vocab = tiny.config.vocab_size
+    gen = make_generator(tiny, page_size=16, tokens=512, max_batch_size=2, max_skips=1)
+    request = JobRequest(prompt=[1, 2, 3], sampling=GREEDY, max_new_tokens=4, n=3)
+    wide = Job(gen.new_job_id(), request, [1, 2, 3], frozenset(), gen.clock())
+    gen.enqueue(wide)  # past `prepare`, as a caller of the generator may
+    small = [
+        gen.submit(
+            JobRequest(
+                prompt=random_ids(5, i, vocab), sampling=GREEDY, max_new_tokens=4, stop_token_ids=()
+            )
+        )
+        for i in range(6)
+    ]
+    results = drain(gen, max_steps=500)
+    assert results[wide.job_id].eos_reason == "error"
+    assert "raise the batch size" in results[wide.job_id].error
+    assert all(results[j.job_id].new_tokens == 4 for j in small)
+    assert not gen.jobs and not gen.seq_jobs  # ended like any job: nothing left behind
+
+
+def test_a_job_with_every_token_banned_ends_alone_and_its_batch_goes_on(tiny):
+    vocab = tiny.config.vocab_size
+    ban_all = tuple((t, -math.inf) for t in range(vocab))
+    greedy = JobRequest(
+        prompt=random_ids(12, 31, vocab), sampling=GREEDY, max_new_tokens=20, stop_token_ids=()
+    )
+    solo = run_alone(tiny, greedy)
+    gen = make_generator(tiny)
+    kept = gen.submit(greedy)
+    banned = [
+        gen.submit(
+            JobRequest(
+                prompt=random_ids(9, 32 + i, vocab),
+                sampling=SamplingSettings(temperature=t, seed=1, logit_bias=ban_all),
+                max_new_tokens=20,
+                stop_token_ids=(),
+                **extra,
+            )
+        )
+        for i, (t, extra) in enumerate([(0.0, {}), (0.9, {"n": 2}), (0.0, {"beam_width": 2})])
+    ]
+    results = drain(gen)
+    assert results[kept.job_id].token_ids == solo.token_ids
+    assert results[kept.job_id].eos_reason == "max_new_tokens"
+    for job in banned:
+        assert results[job.job_id].eos_reason == "error"
+        assert "nothing left to sample" in results[job.job_id].error
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_an_extreme_length_penalty_is_refused_or_ranks_without_overflow(tiny, length_penalty):
+    request = JobRequest(
+        prompt=random_ids(10, 41, tiny.config.vocab_size),
+        sampling=GREEDY,
+        max_new_tokens=6,
+        beam_width=3,
+        stop_token_ids=(),
+        length_penalty=length_penalty,
+    )
+    try:
+        request.validate()
+    except ValueError as exc:
+        assert "length_penalty" in str(exc)
+        return
+    result = run_alone(tiny, request)
+    assert result.eos_reason == "max_new_tokens"
+    assert [len(ids) for ids in result.token_ids] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("stage", ["forward", "sample", "stops"])
+def test_a_failure_in_one_sequence_of_a_decode_step_ends_only_its_job(tiny, monkeypatch, stage):
+    vocab = tiny.config.vocab_size
+
+    def requests():
+        return [
+            JobRequest(prompt=random_ids(14, 51, vocab), sampling=GREEDY, max_new_tokens=16),
+            JobRequest(
+                prompt=random_ids(21, 52, vocab),
+                sampling=SamplingSettings(temperature=0.9, top_p=0.9, seed=5),
+                max_new_tokens=16,
+                n=2,
+            ),
+            JobRequest(
+                prompt=random_ids(9, 53, vocab),
+                sampling=SamplingSettings(temperature=0, presence_penalty=0.5),
+                max_new_tokens=16,
+            ),
+        ]
+
+    clean = make_generator(tiny)
+    clean_jobs = [clean.submit(r) for r in requests()]
+    clean_results = drain(clean)
+    expected = [clean_results[j.job_id].token_ids for j in clean_jobs]
+
+    gen = make_generator(tiny)
+    jobs = [gen.submit(r) for r in requests()]
+    bad = gen.submit(
+        JobRequest(
+            prompt=random_ids(17, 54, vocab),
+            sampling=SamplingSettings(temperature=0.7, seed=9),
+            max_new_tokens=16,
+        )
+    )
+
+    def bad_is_due(rows=None) -> bool:
+        seqs = bad.sequences
+        mine = rows is None or any(seq in seqs for seq in rows)
+        return mine and len(seqs[0].generated) >= 3
+
+    if stage == "forward":
+        real = gen._decode_forward
+        monkeypatch.setattr(
+            gen,
+            "_decode_forward",
+            lambda rows: (
+                (_ for _ in ()).throw(RuntimeError("injected")) if bad_is_due(rows) else real(rows)
+            ),
+        )
+    elif stage == "sample":
+        real = gen.sampler.sample
+
+        def sample(logits, settings, *args):
+            if bad.request.sampling in settings and bad_is_due():
+                raise RuntimeError("injected")
+            return real(logits, settings, *args)
+
+        monkeypatch.setattr(gen.sampler, "sample", sample)
+    else:
+        gen.iterate()  # admitted and prefilled: its stop handler exists now
+        real = bad.sequences[0].stops.feed
+
+        def feed(token):
+            if bad_is_due():
+                raise RuntimeError("injected")
+            return real(token)
+
+        monkeypatch.setattr(bad.sequences[0].stops, "feed", feed)
+    results = drain(gen)
+    assert results[bad.job_id].eos_reason == "error"
+    assert "injected" in results[bad.job_id].error
+    assert [results[j.job_id].token_ids for j in jobs] == expected

@@ -19,7 +19,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine.generator.sampler import Sampler, SamplingSettings, make_generator, process_logits
+from engine.generator.sampler import (
+    NothingToSample,
+    Sampler,
+    SamplingSettings,
+    empty_rows,
+    make_generator,
+    process_logits,
+)
 
 V = 97
 
@@ -259,3 +266,65 @@ def test_sample_rejects_mismatched_batch_and_bias_outside_vocab():
         sampler.sample(
             torch.zeros(1, 5), [SamplingSettings(logit_bias=((5, 1.0),))], [None], [[]], [[]]
         )
+
+
+# -- a row with nothing left, and values beyond float32 (issue 13, defect 4) ------------------
+
+
+def test_a_row_with_every_token_banned_is_named_and_no_row_draws():
+    vocab = 7
+    banned = SamplingSettings(
+        temperature=0.8, logit_bias=tuple((t, -math.inf) for t in range(vocab))
+    )
+    greedy_banned = replace(banned, temperature=0)
+    sampled = SamplingSettings(temperature=0.8, seed=3)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    generator = make_generator(3)
+    with pytest.raises(NothingToSample, match="nothing left to sample") as raised:
+        Sampler().sample(
+            logits, [banned, sampled, greedy_banned], [None, generator, None], [[]] * 3, [[]] * 3
+        )
+    assert raised.value.rows == [0, 2]
+    # The sampled row drew nothing: alone it picks what it would have picked first.
+    alone = Sampler().sample(logits[1:2], [sampled], [generator], [[]], [[]])
+    assert (
+        alone.tolist()
+        == Sampler().sample(logits[1:2], [sampled], [make_generator(3)], [[]], [[]]).tolist()
+    )
+
+
+def test_huge_biases_are_refused_and_inf_or_nan_logits_never_yield_an_id_outside_the_vocab():
+    huge = SamplingSettings(logit_bias=((1, 1e308), (2, 1e308)))
+    with pytest.raises(ValueError, match="logit_bias for token 1"):
+        huge.validate()
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingSettings(presence_penalty=1e308).validate()
+    vocab = 5
+    logits = torch.tensor(
+        [
+            [0.0, math.inf, math.inf, 0.0, 0.0],
+            [math.nan] * vocab,
+            [math.nan, 1.0, math.nan, -math.inf, 2.0],
+            [1.0, 2.0, 3.0, 4.0, 5.0],
+        ]
+    )
+    settings = [SamplingSettings(temperature=t, top_p=0.9, min_p=0.1) for t in (1.0, 0.5, 1e-30, 0)]
+    settings[3] = SamplingSettings(temperature=0, logit_bias=((4, 1e6), (3, 1e6)))
+    scores = process_logits(logits, settings, [[]] * 4, [[]] * 4)
+    assert not scores.isnan().any() and not scores.isposinf().any()
+    assert empty_rows(scores) == [1]
+    tokens = (
+        Sampler()
+        .sample(
+            logits[[0, 2, 3]],
+            [settings[i] for i in (0, 2, 3)],
+            [make_generator(s) for s in range(3)],
+            [[]] * 3,
+            [[]] * 3,
+        )
+        .tolist()
+    )
+    assert tokens[0] in (1, 2) and tokens[1] in (1, 4) and tokens[2] == 4
+    for seed in range(50):
+        token = Sampler().sample(logits[:1], settings[:1], [make_generator(seed)], [[]], [[]])
+        assert 0 <= int(token) < vocab
