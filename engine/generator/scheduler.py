@@ -139,11 +139,12 @@ class Scheduler:
 
     def _cow_pages(self, job: Job, total: int) -> int:
         """Pages the job's extra sequences may still copy: (width - 1) per page that is
-        not a full prompt page, less the pages it already holds beyond one table."""
+        not a full prompt page, less the pages it already holds beyond one table. Counted
+        from the prompt, not from the tokens so far: pages that fill as the job generates
+        are written by every sequence, so each still needs its own copy."""
         if job.width == 1:
             return 0
-        seq = job.sequences[0]
-        full = (len(seq.tokens) - 1) // self.page_size
+        full = (len(job.prompt_ids) - 1) // self.page_size
         bound = (job.width - 1) * (total - full)
         held = job.held_pages()
         return max(0, bound - (len(held) - total)) if held else bound

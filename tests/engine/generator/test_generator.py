@@ -11,11 +11,12 @@ import pytest
 
 from engine.cache.kv_cache import CacheSettings
 from engine.cache.page import CacheFullError
-from engine.generator.job import EventKind, JobRequest
+from engine.generator.job import EventKind, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
 from engine.model.loader import load_model
 from tests.engine.generator.helpers import (
     GREEDY,
+    assert_no_leaks,
     drain,
     make_generator,
     random_ids,
@@ -576,3 +577,37 @@ def test_a_failure_in_one_sequence_of_a_decode_step_ends_only_its_job(tiny, monk
     assert results[bad.job_id].eos_reason == "error"
     assert "injected" in results[bad.job_id].error
     assert [results[j.job_id].token_ids for j in jobs] == expected
+
+
+def test_parallel_samples_under_cache_pressure_never_cost_another_job_its_reply(tiny):
+    """The pages an n>1 job's forks may still copy stay reserved while it generates, so a
+    job admitted meanwhile never takes them: every job, of any width, ends normally."""
+    vocab = tiny.config.vocab_size
+    errors = []
+    for seed in range(12):
+        rng = random.Random(seed)
+        gen = make_generator(tiny, page_size=16, tokens=16 * 24, max_batch_size=8)
+        arrivals = [
+            JobRequest(
+                prompt=random_ids(rng.randint(2, 60), 1000 * seed + i, vocab),
+                sampling=SamplingSettings(temperature=1.0, seed=i),
+                max_new_tokens=rng.randint(8, 64),
+                n=rng.choice([1, 1, 2, 3, 4]),
+                stop_token_ids=(),
+            )
+            for i in range(10)
+        ]
+        results: dict[int, JobResult] = {}
+        steps = 0
+        while arrivals or not gen.idle:
+            if arrivals and steps % 3 == 0:
+                gen.submit(arrivals.pop(0))
+            for event in gen.iterate():
+                if event.eos:
+                    results[event.job_id] = event.result
+            gen.pages.validate()
+            steps += 1
+            assert steps < 20_000, "the generator did not drain"
+        assert_no_leaks(gen)
+        errors += [(seed, r.error) for r in results.values() if r.eos_reason == "error"]
+    assert not errors, errors
