@@ -28,6 +28,7 @@ from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobResult
 from engine.generator.stops import StopReason
 from engine.model.calibration import calibration_for
 from engine.model.loader import LoadedModel
+from engine.published import Published
 from engine.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,7 @@ class Engine:
         self._listeners: list[Listener] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._snapshot: EngineSnapshot | None = None
-        self._snapshot_lock = threading.Lock()
+        self._snapshot: Published[EngineSnapshot] = Published()
         self._last_publish = 0.0
         self.loop_error: str = ""
 
@@ -229,11 +229,12 @@ class Engine:
         return self.submit(request).wait(timeout)
 
     def snapshot(self) -> EngineSnapshot:
-        """The latest published snapshot (never waits for a step)."""
-        with self._snapshot_lock:
-            if self._snapshot is None:
-                raise RuntimeError("the engine has not started")
-            return self._snapshot
+        """The latest published snapshot. It never waits for a step; a thread polling
+        in a tight loop is paced (see `engine.published`) so it cannot starve the loop."""
+        snapshot = self._snapshot.read()
+        if snapshot is None:
+            raise RuntimeError("the engine has not started")
+        return snapshot
 
     # -- the loop thread ---------------------------------------------------------------
 
@@ -353,8 +354,7 @@ class Engine:
             cache_bytes=self.cache.nbytes(),
             host_bytes=host.nbytes() if host is not None else 0,
         )
-        with self._snapshot_lock:
-            self._snapshot = snapshot
+        self._snapshot.publish(snapshot)
         self._last_publish = snapshot.time
 
 

@@ -95,8 +95,34 @@ _NETWORK_ERROR_NAMES = frozenset(
 )
 
 
+# A redirect loop, or an address the client will not fetch (file://, no scheme): the
+# server's answer is wrong, which no retry can fix. httpx files UnsupportedProtocol
+# under TransportError, so without this a file:// redirect read "cannot be reached".
+_BAD_ADDRESS_NAMES = frozenset({"UnsupportedProtocol", "TooManyRedirects", "InvalidURL"})
+
+
 def is_network_error(exc: BaseException) -> bool:
-    return any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(exc).__mro__)
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & _NETWORK_ERROR_NAMES) and not names & _BAD_ADDRESS_NAMES
+
+
+def _bad_address(exc: BaseException, what: str) -> HubError | None:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "TooManyRedirects" in names:
+        return HubError(
+            f"{what}: the server redirects the request in a loop; the Hub or a proxy is "
+            f"misconfigured: try again later, or check HF_ENDPOINT"
+        )
+    if names & _BAD_ADDRESS_NAMES:
+        try:
+            url = str(exc.request.url)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # httpx raises RuntimeError when unset
+            url = "an address"
+        return HubError(
+            f"{what}: the server sent the download to {url}, which is not a web address; "
+            f"Folio downloads only over http(s): check HF_ENDPOINT, or report the repository"
+        )
+    return None
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -112,6 +138,8 @@ def explain(
     from huggingface_hub import errors as hf
 
     what = f"{repo_id}/{filename}" if repo_id and filename else (repo_id or "the request")
+    if (refused := _bad_address(exc, what)) is not None:
+        return refused
     status = getattr(getattr(exc, "response", None), "status_code", None)
     # GatedRepoError subclasses RepositoryNotFoundError: test it first.
     if isinstance(exc, hf.GatedRepoError) or (status == 401 and isinstance(exc, hf.HfHubHTTPError)):

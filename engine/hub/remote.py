@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
+import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -18,7 +19,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.hub.errors import explain
+from engine.hub.errors import HubError, HubUnreachableError, explain
 from engine.hub.fit import CachePlan, FitEstimate, estimate_fit, kv_bytes_per_token
 from engine.hub.gguf_info import (
     GGUFSummary,
@@ -38,6 +39,7 @@ __all__ = [
     "SearchSort",
     "candidate_fit",
     "fetch_hf_config",
+    "http_timeout",
     "hub_endpoint",
     "list_repo_models",
     "peek_gguf",
@@ -49,6 +51,12 @@ __all__ = [
 DEFAULT_ENDPOINT = "https://huggingface.co"
 HEADER_READ_BYTES = 2 * 1024**2  # first Range read; doubled until the header fits
 MAX_HEADER_BYTES = 64 * 1024**2  # a 262k-token vocabulary makes headers of ~10 MB
+# huggingface_hub's shared HTTP client waits for ever unless told otherwise.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 30.0  # the longest one socket read may wait for a byte
+# A header read (a few MB) taking longer than this is from a server too slow to be worth
+# waiting on: a trickle of one byte every few seconds never trips the read timeout.
+RANGE_TIMEOUT_S = 60.0
 
 # Files a safetensors model folder needs (engine/model/loader.py, engine/model/tokenizer/); the
 # rest of a repository (other formats, images, ONNX, ...) is not downloaded.
@@ -71,6 +79,11 @@ _DENSE_SAFETENSORS_TYPES = {"F16", "BF16", "F32"}
 # Quant types whose projections Folio keeps packed (kernels/int4.py); the rest are
 # dequantized to fp32 at load.
 _INT4_KEPT = {"Q4_0", "Q4_1", "Q4_K"}
+
+
+def http_timeout() -> tuple[float, float, float, float]:
+    """(connect, read, write, pool) seconds for the HTTP client, read at call time (tests shrink them)."""
+    return CONNECT_TIMEOUT_S, READ_TIMEOUT_S, READ_TIMEOUT_S, CONNECT_TIMEOUT_S
 
 
 def hub_endpoint(endpoint: str | None = None) -> str:
@@ -340,6 +353,8 @@ def resolve_file(
     endpoint: str | None = None,
     token: str | None = None,
 ) -> RemoteFile:
+    from urllib.parse import urljoin, urlsplit
+
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     ep = hub_endpoint(endpoint)
@@ -348,7 +363,13 @@ def resolve_file(
         meta = get_hf_file_metadata(url, token=_token(token), endpoint=ep)
     except Exception as exc:
         raise explain(exc, repo_id, filename) from exc
-    location = meta.location or url
+    location = urljoin(url, meta.location) if meta.location else url
+    if urlsplit(location).scheme not in ("http", "https"):
+        raise HubError(
+            f"{repo_id}/{filename}: the Hub points its download to {location!r}, which is not "
+            f"a web address; Folio downloads only over http(s): check HF_ENDPOINT, or report "
+            f"the repository"
+        )
     return RemoteFile(
         location, meta.size, meta.etag, meta.commit_hash, _origin(location) == _origin(url)
     )
@@ -373,17 +394,36 @@ def request_headers(token: str | None, same_origin: bool = True) -> dict[str, st
 
 
 def read_range(remote: RemoteFile, start: int, end: int, token: str | None = None) -> bytes:
-    """Bytes ``start..end`` (inclusive) of a remote file through an HTTP Range request."""
+    """Bytes ``start..end`` (inclusive) of a remote file through an HTTP Range request.
+
+    Reads no further than ``end`` even from a server that ignores Range and sends the
+    whole file, and gives up on one that has not delivered within RANGE_TIMEOUT_S.
+    """
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     headers = request_headers(token, remote.same_origin)
     headers["Range"] = f"bytes={start}-{end}"
-    response = get_session().get(remote.url, headers=headers, follow_redirects=True)
-    hf_raise_for_status(response)
-    data = response.content
-    if response.status_code == 200:  # the server ignored Range and sent it all
-        data = data[start : end + 1]
-    return data
+    deadline = time.monotonic() + RANGE_TIMEOUT_S
+    want = end + 1 - start
+    data = bytearray()
+    with get_session().stream(
+        "GET", remote.url, headers=headers, follow_redirects=True, timeout=http_timeout()
+    ) as response:
+        hf_raise_for_status(response)
+        skip = start if response.status_code == 200 else 0  # Range ignored: it starts at 0
+        for chunk in response.iter_bytes():
+            if skip:
+                chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+            data += chunk[: want - len(data)]
+            if len(data) >= want:
+                break
+            if time.monotonic() > deadline:
+                raise HubUnreachableError(
+                    f"the Hub sends too slowly ({len(data):,} of {want:,} bytes in "
+                    f"{RANGE_TIMEOUT_S:g} s): check your connection or try again later; "
+                    f"local models still work"
+                )
+    return bytes(data)
 
 
 def peek_gguf(

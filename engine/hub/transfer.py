@@ -22,6 +22,13 @@ everything else: the resolve URL and endpoint, the HEAD metadata (``X-Linked-Eta
 
 A file is moved to its final name only after its SHA-256 (LFS files) or git blob hash
 (small files) matches what the Hub lists; a mismatch deletes the bytes and says so.
+
+What a server sends is not trusted: no more than the listed size is ever written (a
+body without Content-Length, or an endless one, is cut off there and the hash decides),
+a server that stalls or trickles is given up on after :data:`STALL_WINDOW_S`, a cancel
+takes effect within :data:`POLL_S` even while the server is silent (the socket is read
+on a helper thread, see :class:`_Body`), and a file name that could land outside the
+models folder under POSIX or Windows rules is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -30,14 +37,17 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
+from typing import TypeVar
 
 from engine import paths
 from engine.hub.errors import (
@@ -50,7 +60,14 @@ from engine.hub.errors import (
     is_disk_full,
     is_network_error,
 )
-from engine.hub.remote import HubFile, ModelCandidate, RemoteFile, request_headers, resolve_file
+from engine.hub.remote import (
+    HubFile,
+    ModelCandidate,
+    RemoteFile,
+    http_timeout,
+    request_headers,
+    resolve_file,
+)
 from engine.model.fetch import STAMP_SUFFIX
 from engine.units import format_bytes
 
@@ -71,14 +88,26 @@ CHUNK = 1 << 20
 INCOMPLETE_SUFFIX = ".incomplete"
 REQUEST_PREFIX = ".download-"
 FOLDER_MARKER = ".folio-model.json"
-READ_TIMEOUT_S = 30.0
+# An attempt that brings fewer than STALL_MIN_BYTES within STALL_WINDOW_S (the response
+# included) is given up: a server trickling a byte every few seconds never trips a read
+# timeout. Such an attempt counts as a failed one, so a stalled server ends in an error
+# after `retries` attempts instead of holding the single download worker for ever.
+STALL_WINDOW_S = 30.0
+STALL_MIN_BYTES = 64 * 1024
+POLL_S = 0.1  # the longest a cancel waits while the server is silent
+RETRY_BACKOFF_S = 0.2  # the wait after a failed attempt, doubled per failure in a row
+RETRY_BACKOFF_MAX_S = 10.0
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# What the Hub allows in an owner or repository name; anything else (a drive "C:", a
+# backslash) could name a folder outside the models folder on some system.
+_REPO_PART_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_T = TypeVar("_T")
 
 
 def repo_folder(repo_id: str) -> str:
     """``"HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"`` -> ``"HuggingFaceTB--SmolLM2-135M-Instruct-GGUF"``."""
     parts = repo_id.split("/")
-    if not all(parts) or any(p in (".", "..") for p in parts):
+    if any(p in (".", "..") or not _REPO_PART_RE.match(p) for p in parts):
         raise ValueError(f"not a repository id: {repo_id!r}")
     return "--".join(parts)
 
@@ -258,11 +287,23 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def _safe_relative(path: str) -> Path:
-    rel = Path(path)
-    if rel.is_absolute() or any(p in ("..", "") for p in rel.parts):
-        raise HubError(f"refusing to download {path!r}: not a plain path inside the repository")
-    return rel
+def _safe_relative(path: str, flavour: type[PurePath] = Path) -> PurePath:
+    """``path`` (a file name from the Hub) as a path relative to the repository folder.
+
+    Checked under both POSIX and Windows rules whatever the system, since
+    ``PureWindowsPath("D:/models") / "C:evil.gguf"`` is ``C:evil.gguf``: a name with a
+    drive, a root, a ``..`` or an empty part is refused.
+    """
+    windows = PureWindowsPath(path)
+    parts = path.replace("\\", "/").split("/")
+    if not (windows.drive or windows.root or PurePosixPath(path).root) and all(
+        p not in ("", ".", "..") for p in parts
+    ):
+        return flavour(path)
+    raise HubError(
+        f"refusing to download {path!r}: the repository lists a file name that could point "
+        f"outside its folder; nothing was written. Report the repository to its owner"
+    )
 
 
 def _stamp_path(path: Path) -> Path:
@@ -349,7 +390,15 @@ def download_model(
         request = DownloadRequest.from_candidate(request)
     base = paths.models_dir(models_dir)
     cancel = cancel or CancelToken()
-    folder = request.folder(base)
+    # Every name is checked before the folder or the request file is written: a refused
+    # download leaves nothing behind, least of all a pending download to "resume".
+    try:
+        folder = request.folder(base)
+    except ValueError as exc:
+        raise HubError(
+            f"refusing to download from {request.repo_id!r}: not a Hub repository name"
+        ) from exc
+    finals = [folder / _safe_relative(f.path) for f in request.files]
 
     def emit(**fields) -> None:
         if progress is not None:
@@ -369,17 +418,15 @@ def download_model(
         _write_json(_request_path(folder, request), request.to_json())
         # Bytes already on disk (finished files and partials) count as done from the start.
         resumed = 0
-        for f in request.files:
-            final = folder / _safe_relative(f.path)
+        for f, final in zip(request.files, finals, strict=True):
             if _already_verified(final, f):
                 resumed += f.size or final.stat().st_size
             else:
                 with contextlib.suppress(OSError):
-                    resumed += final.with_name(final.name + INCOMPLETE_SUFFIX).stat().st_size
+                    resumed += _partial_path(final).stat().st_size
         meter.done = resumed
         meter.report(DownloadState.DOWNLOADING, None, resumed_bytes=resumed, message="starting")
-        for f in request.files:
-            final = folder / _safe_relative(f.path)
+        for f, final in zip(request.files, finals, strict=True):
             if _already_verified(final, f):
                 continue
             _download_file(request, f, final, meter, cancel, endpoint, token, retries)
@@ -393,6 +440,11 @@ def download_model(
         if is_disk_full(exc):
             raise _disk_full(request, folder, None) from exc
         raise
+    except (DownloadCancelled, DiskFullError, HubUnreachableError):
+        raise  # worth resuming: the request file stays
+    except HubError:
+        _forget_if_nothing_kept(request, folder, finals)
+        raise
     target = request.target(base)
     meter.report(
         DownloadState.DONE,
@@ -404,12 +456,32 @@ def download_model(
     return target
 
 
+def _forget_if_nothing_kept(request: DownloadRequest, folder: Path, finals: list[Path]) -> None:
+    """After a refusal (bad hash, bad redirect, ...): no pending download unless bytes are kept."""
+    kept = any(
+        _partial_path(final).exists() or _already_verified(final, f)
+        for f, final in zip(request.files, finals, strict=True)
+    )
+    if not kept:
+        _request_path(folder, request).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only if nothing else is in it
+
+
+def _partial_path(final: Path) -> Path:
+    return final.with_name(final.name + INCOMPLETE_SUFFIX)
+
+
 def _disk_full(
     request: DownloadRequest, folder: Path, partial: Path | None, remaining: int | None = None
 ) -> DiskFullError:
     free = _free_bytes(folder)
+    # A partial larger than the file (which the size cap now prevents) once gave "about
+    # -8 MB more is needed": only a positive need is worth saying.
     need = (
-        f"; about {format_bytes(remaining, 'MB')} more is needed" if remaining is not None else ""
+        f"; about {format_bytes(remaining, 'MB' if remaining >= 10**6 else None)} more is needed"
+        if remaining is not None and remaining > 0
+        else ""
     )
     free_words = format_bytes(free, "MB", unknown="an unknown amount")
     return DiskFullError(
@@ -432,11 +504,21 @@ def _download_file(
 ) -> None:
     cancel.check()
     final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(final.name + INCOMPLETE_SUFFIX)
-    remote = resolve_file(
-        request.repo_id, f.path, revision=request.revision, endpoint=endpoint, token=token
+    partial = _partial_path(final)
+    remote = _call_cancellable(
+        cancel,
+        lambda: resolve_file(
+            request.repo_id, f.path, revision=request.revision, endpoint=endpoint, token=token
+        ),
     )
     expected_size = f.size if f.size is not None else remote.size
+    if expected_size is None:
+        # Without a size there is nothing to cap the transfer at: an endless body would
+        # fill the disk before the hash could say it is not the file.
+        raise HubError(
+            f"the Hub does not say how large {f.path} from {request.repo_id} is, so its "
+            f"download cannot be checked; nothing was downloaded. Try again later"
+        )
     expected_sha = (f.sha256 or "").lower() or None
     if (
         expected_sha is None
@@ -446,28 +528,27 @@ def _download_file(
     ):
         expected_sha = remote.etag.lower()  # X-Linked-Etag of an LFS file is its sha256
     have = partial.stat().st_size if partial.exists() else 0
-    if expected_size is not None and have > expected_size:  # not the file we expect: start over
+    if have > expected_size:  # not the file we expect: start over
         partial.unlink()
         meter.done -= have
         have = 0
     free = _free_bytes(final.parent)
-    if expected_size is not None and free is not None and free < expected_size - have:
+    if free is not None and free < expected_size - have:
         raise _disk_full(request, final.parent, partial if have else None, expected_size - have)
 
     failures = 0
-    while expected_size is None or have < expected_size:
+    while have < expected_size:
         cancel.check()
-        before = have
+        before, stalled = have, False
         try:
             have = _fetch_into(partial, remote, have, expected_size, meter, f.path, cancel, token)
         except OSError as exc:
             if is_disk_full(exc):
-                remaining = (
-                    None if expected_size is None else expected_size - partial.stat().st_size
-                )
+                remaining = expected_size - partial.stat().st_size
                 raise _disk_full(request, final.parent, partial, remaining) from exc
             if not is_network_error(exc):
                 raise
+            stalled = isinstance(exc, _Stalled)
             have = partial.stat().st_size if partial.exists() else 0
         except DownloadCancelled:
             raise
@@ -476,60 +557,189 @@ def _download_file(
                 raise explain(exc, request.repo_id, f.path) from exc
             have = partial.stat().st_size if partial.exists() else 0
         else:
-            if expected_size is None:
-                break  # the server closed a response of unknown length: that is the end
             if have >= expected_size:
                 break
-        # A dropped connection: resume from the bytes on disk, giving up only after
-        # `retries` attempts in a row that brought nothing new.
-        failures = 0 if have > before else failures + 1
+        # A dropped, stalled or short connection: resume from the bytes on disk, giving up
+        # after `retries` attempts in a row that brought less than a stall window's worth.
+        failures = 0 if have - before >= STALL_MIN_BYTES else failures + 1
         if failures > retries:
-            total = format_bytes(expected_size, "MB", unknown="an unknown amount")
+            total = format_bytes(expected_size, "MB")
+            why = (
+                f"the server sent almost nothing for {STALL_WINDOW_S:g} s"
+                if stalled
+                else "the Hub cannot be reached"
+            )
             raise HubUnreachableError(
                 f"the download of {f.path} stopped at {format_bytes(have, 'MB')} of {total}: "
-                f"the Hub cannot be reached: check your connection. The part already downloaded "
-                f"is kept; resume the download to continue"
+                f"{why}: check your connection or try again later. The part already "
+                f"downloaded is kept; resume the download to continue"
             )
         meter.report(DownloadState.DOWNLOADING, f.path, message="connection lost; resuming")
-        cancel.sleep(min(0.2 * 2**failures, 10.0))
+        cancel.sleep(min(RETRY_BACKOFF_S * 2**failures, RETRY_BACKOFF_MAX_S))
 
     _verify_and_move(request, f, partial, final, expected_size, expected_sha, meter, cancel)
+
+
+class _Stalled(TimeoutError):
+    """Less than STALL_MIN_BYTES came within STALL_WINDOW_S (a network error: retried)."""
+
+
+def _call_cancellable(cancel: CancelToken, fn: Callable[[], _T]) -> _T:
+    """``fn()`` on a helper thread, so that a cancel is not held up by a server that never answers."""
+    done = threading.Event()
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="folio-download-resolve", daemon=True).start()
+    while not done.wait(POLL_S):
+        cancel.check()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+class _Body:
+    """One GET whose socket is read on a helper thread; the download thread takes chunks from a queue.
+
+    A socket read blocked in one thread cannot be interrupted from another, so the
+    download thread never makes one: waiting on the queue, it notices a cancel or a
+    stall within POLL_S and walks away. Leaving shuts the socket down, which wakes the
+    helper; it then ends (and at the latest at the read timeout of :func:`http_timeout`).
+    """
+
+    _END = object()
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        self._items: queue.Queue = queue.Queue(maxsize=16)
+        self._left = threading.Event()
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        threading.Thread(
+            target=self._read, args=(url, headers), name="folio-download-read", daemon=True
+        ).start()
+
+    def __enter__(self) -> _Body:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._left.set()
+        with self._lock:
+            if self._socket is not None:
+                with contextlib.suppress(OSError):
+                    self._socket.shutdown(socket.SHUT_RDWR)
+
+    def next(self, cancel: CancelToken, deadline: float):
+        """The response first, then its chunks, then None; raises what the helper hit.
+
+        Raises :class:`_Stalled` when nothing comes before ``deadline`` (monotonic time)
+        and :class:`DownloadCancelled` once ``cancel`` is set.
+        """
+        while True:
+            cancel.check()
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise _Stalled("the server stopped sending")
+            try:
+                item = self._items.get(timeout=min(POLL_S, wait))
+            except queue.Empty:
+                continue
+            if item is self._END:
+                return None
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _read(self, url: str, headers: dict[str, str]) -> None:
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        try:
+            with get_session().stream(
+                "GET", url, headers=headers, follow_redirects=True, timeout=http_timeout()
+            ) as response:
+                with self._lock:
+                    self._socket = _socket_of(response)
+                if response.status_code != 416:  # the download thread decides what 416 means
+                    hf_raise_for_status(response)
+                if not self._put(response):
+                    return
+                if response.status_code != 416:
+                    for chunk in response.iter_bytes():
+                        if not self._put(chunk):
+                            return
+                with self._lock:
+                    self._socket = None  # the connection may go back to the pool now
+            self._put(self._END)
+        except Exception as exc:
+            self._put(exc)
+        finally:
+            with self._lock:
+                self._socket = None
+
+    def _put(self, item) -> bool:
+        while not self._left.is_set():
+            with contextlib.suppress(queue.Full):
+                self._items.put(item, timeout=POLL_S)
+                return True
+        return False
+
+
+def _socket_of(response) -> socket.socket | None:
+    stream = response.extensions.get("network_stream")
+    return stream.get_extra_info("socket") if stream is not None else None
 
 
 def _fetch_into(
     partial: Path,
     remote: RemoteFile,
     have: int,
-    expected_size: int | None,
+    expected_size: int,
     meter: _Meter,
     name: str,
     cancel: CancelToken,
     token: str | None,
 ) -> int:
-    """One GET (a Range request from ``have`` when resuming); returns the bytes now on disk."""
-    from huggingface_hub.utils import get_session, hf_raise_for_status
+    """One GET (a Range request from ``have`` when resuming); returns the bytes now on disk.
 
+    Writes no byte past ``expected_size``: a longer body (no Content-Length, an endless
+    one) is cut off there, and the hash decides whether what came is the file.
+    """
     headers = request_headers(token, remote.same_origin)
     if have:
         headers["Range"] = f"bytes={have}-"
-    with get_session().stream(
-        "GET", remote.url, headers=headers, follow_redirects=True, timeout=READ_TIMEOUT_S
-    ) as response:
-        if response.status_code == 416 and expected_size is not None and have == expected_size:
-            return have  # already complete
-        hf_raise_for_status(response)
+    deadline = time.monotonic() + STALL_WINDOW_S
+    with _Body(remote.url, headers) as body:
+        response = body.next(cancel, deadline)
+        if response.status_code == 416:
+            if have == expected_size:
+                return have  # already complete
+            # The server's file is shorter than the partial: not the same bytes, start over.
+            partial.unlink(missing_ok=True)
+            meter.done -= have
+            return 0
         mode = "ab"
         if have and response.status_code != 206:
             # The server ignored Range and sends the whole file: start the partial over.
             meter.done -= have
             have, mode = 0, "wb"
+        window = 0  # bytes since the deadline was last moved
         with partial.open(mode) as fh:
             try:
-                for chunk in response.iter_bytes():
-                    cancel.check()
+                while have < expected_size and (chunk := body.next(cancel, deadline)) is not None:
+                    chunk = chunk[: expected_size - have]
                     _write_chunk(fh, chunk)
                     have += len(chunk)
                     meter.add(len(chunk), name)
+                    window += len(chunk)
+                    if window >= STALL_MIN_BYTES:
+                        deadline, window = time.monotonic() + STALL_WINDOW_S, 0
             finally:
                 fh.flush()
                 with contextlib.suppress(OSError):
@@ -616,11 +826,16 @@ def pending_downloads(models_dir: Path | str | None = None) -> list[DownloadRequ
 def discard_partial(request: DownloadRequest, models_dir: Path | str | None = None) -> int:
     """Delete what an unfinished download left behind; returns the bytes freed."""
     base = paths.models_dir(models_dir)
-    folder = request.folder(base)
+    try:
+        folder = request.folder(base)
+    except ValueError:
+        return 0  # refused before anything was written
     freed = 0
     for f in request.files:
-        partial = folder / _safe_relative(f.path)
-        partial = partial.with_name(partial.name + INCOMPLETE_SUFFIX)
+        try:
+            partial = _partial_path(folder / _safe_relative(f.path))
+        except HubError:
+            continue  # refused before anything was written
         with contextlib.suppress(FileNotFoundError):
             freed += partial.stat().st_size
             partial.unlink()

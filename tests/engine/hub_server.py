@@ -10,9 +10,12 @@
 * ``HEAD|GET /cdn/<repo>/<path>`` — the bytes, with ``Range`` support
 
 Faults a test can switch on: drop the connection after N bytes (once), advertise a
-wrong sha256, require a token (401 ``GatedRepo``), pause at an offset until released.
-Every body byte sent is counted per file, so tests can prove a resume fetched only the
-missing bytes.
+wrong sha256, require a token (401 ``GatedRepo``), pause at an offset until released,
+and a hostile :class:`Behaviour` per file (``FakeRepo.behaviour``): no Content-Length,
+an endless body, a trickle, Range ignored, redirect loops, redirects to ``file://``, a
+server that never answers. File names are served as listed, so a repository can list
+``../evil.gguf`` or ``C:evil.gguf``. Every body byte sent is counted per file, so tests
+can prove a resume fetched only the missing bytes.
 """
 
 from __future__ import annotations
@@ -24,11 +27,30 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LFS_MIN_SIZE = 1024  # files at least this large are "LFS" files (redirected, sha256)
+
+
+class Behaviour(StrEnum):
+    """How the fake Hub misbehaves when a client GETs one file's bytes (HEAD stays honest
+    except for SILENT_METADATA)."""
+
+    NO_CONTENT_LENGTH = "no-content-length"  # the body ends when the connection closes
+    ENDLESS = "endless"  # the file, then junk up to FakeHub.endless_bytes, no Content-Length
+    TRICKLE = "trickle"  # one byte every FakeHub.trickle_interval_s
+    SILENT = "silent"  # the request is never answered (held for FakeHub.silent_s)
+    SILENT_METADATA = "silent-metadata"  # the same for the HEAD that asks for size and hash
+    IGNORE_RANGE = "ignore-range"  # always 200 with the whole file
+    REDIRECT_LOOP = "redirect-loop"  # the CDN redirects to itself
+    REDIRECT_FILE_URL = "redirect-file-url"  # the CDN redirects to file:///etc/passwd
+    RESOLVE_FILE_URL = "resolve-file-url"  # the resolve URL itself points to file:///etc/passwd
+
+
+FILE_URL = "file:///etc/passwd"
 
 
 def git_blob_id(data: bytes) -> str:
@@ -48,6 +70,7 @@ class FakeRepo:
     config: dict | None = None
     safetensors: dict | None = None
     wrong_sha256: set[str] = field(default_factory=set)  # files whose listed sha256 is wrong
+    behaviour: dict[str, Behaviour] = field(default_factory=dict)  # path -> how GETs misbehave
 
     def is_lfs(self, path: str) -> bool:
         return len(self.files[path]) >= LFS_MIN_SIZE
@@ -90,6 +113,10 @@ class FakeHub:
         self.drop_after: dict[tuple[str, str], int] = {}  # one-shot: close after N body bytes
         self.pause_at: dict[tuple[str, str], tuple[int, threading.Event]] = {}
         self.paused = threading.Event()  # set when a transfer reached its pause offset
+        self.stopping = threading.Event()  # ends held, trickling and endless answers
+        self.endless_bytes = 64 * 1024**2
+        self.trickle_interval_s = 0.05
+        self.silent_s = 60.0
         self.lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -114,6 +141,7 @@ class FakeHub:
         return self.url
 
     def stop(self) -> None:
+        self.stopping.set()
         for _, event in self.pause_at.values():
             event.set()
         if self._server is not None:
@@ -250,6 +278,14 @@ class _Handler(BaseHTTPRequestHandler):
                                   "X-Repo-Commit": COMMIT})  # fmt: skip
             return
         data = repo.files[file]
+        if repo.behaviour.get(file) == Behaviour.SILENT_METADATA and self.command == "HEAD":
+            self.hub.stopping.wait(self.hub.silent_s)
+            self.close_connection = True
+            return
+        if repo.behaviour.get(file) == Behaviour.RESOLVE_FILE_URL:
+            self._send(302, b"", {"Location": FILE_URL, "X-Repo-Commit": COMMIT,
+                                  "X-Linked-Size": str(len(data))})  # fmt: skip
+            return
         if repo.is_lfs(file):
             cdn = f"http://localhost:{self.hub.port}/cdn/{repo_id}/{file}"
             self._send(302, b"", {
@@ -270,8 +306,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "EntryNotFound", "Entry not found")
             return
         data = repo.files[file]
+        behaviour = repo.behaviour.get(file) if self.command == "GET" else None
+        if behaviour in (Behaviour.REDIRECT_LOOP, Behaviour.REDIRECT_FILE_URL):
+            here = f"http://{self.headers.get('Host')}{self.path}"
+            to = here if behaviour == Behaviour.REDIRECT_LOOP else FILE_URL
+            self._send(302, b"", {"Location": to})
+            return
+        if behaviour == Behaviour.SILENT:
+            self.hub.stopping.wait(self.hub.silent_s)
+            self.close_connection = True
+            return
         start, end, status = 0, len(data) - 1, 200
-        if rng := self.headers.get("Range"):
+        rng = None if behaviour == Behaviour.IGNORE_RANGE else self.headers.get("Range")
+        if rng:
             m = re.match(r"bytes=(\d+)-(\d*)$", rng)
             start = int(m.group(1))
             end = min(int(m.group(2)), len(data) - 1) if m.group(2) else len(data) - 1
@@ -284,13 +331,19 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (extra or {}).items():
             self.send_header(k, v)
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Content-Length", str(len(body)))
+        if behaviour in (Behaviour.NO_CONTENT_LENGTH, Behaviour.ENDLESS):
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body)))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         self.end_headers()
         if self.command == "HEAD":
             return
         key = (repo_id, file)
+        if behaviour in (Behaviour.ENDLESS, Behaviour.TRICKLE):
+            return self._misbehave(key, body, behaviour)
         with self.hub.lock:
             drop = self.hub.drop_after.pop(key, None)
             pause = self.hub.pause_at.get(key)
@@ -322,6 +375,25 @@ class _Handler(BaseHTTPRequestHandler):
                 sent += len(piece)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+
+    def _misbehave(self, key: tuple[str, str], body: bytes, behaviour: Behaviour) -> None:
+        try:
+            if behaviour == Behaviour.TRICKLE:
+                for i in range(len(body)):
+                    if self.hub.stopping.wait(self.hub.trickle_interval_s):
+                        break
+                    self._write(key, body[i : i + 1])
+                    self.wfile.flush()
+                return
+            self._write(key, body)
+            junk = b"junk" * 4096
+            sent = len(body)
+            while sent < self.hub.endless_bytes and not self.hub.stopping.is_set():
+                self._write(key, junk)
+                sent += len(junk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
 
     def _write(self, key: tuple[str, str], piece: bytes) -> None:
         self.wfile.write(piece)

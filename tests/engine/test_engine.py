@@ -329,3 +329,30 @@ def test_submits_racing_shutdown_all_finish(tiny):
             result = handle.wait(5)  # TimeoutError: a handle that never finishes
             assert result.eos_reason in ("cancelled", "length")
         assert all("shut down" in r for r in refused)
+
+
+def test_a_tight_snapshot_poll_waits_for_the_next_publish(tiny):
+    # A reader that polls again at once for the snapshot it already has would hold the
+    # GIL the loop needs between torch calls (decode 27 -> 2.6 tok/s); it sleeps until
+    # the loop publishes instead.
+    eng = _tiny_engine(tiny).start()
+    try:
+        eng._snapshot.repeat_s = 60.0
+        first = eng.snapshot()
+        got = []
+
+        def poll_twice() -> None:
+            for _ in range(2):
+                got.append(eng.snapshot())
+
+        reader = threading.Thread(target=poll_twice)
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and len(got) == 1, "the repeat poll returned at once"
+        eng.generate(_ids_request(0, max_new_tokens=2), timeout=60)
+        reader.join(10)
+        assert not reader.is_alive()
+        assert got[1].version > first.version
+        assert eng.snapshot().version >= got[1].version  # its last read was long ago: no wait
+    finally:
+        eng.shutdown()
