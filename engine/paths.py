@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 APP_NAME = "folio"
+DATA_DIR_VARIABLE = "FOLIO_DATA_DIR"  # named in messages that tell the user to move the data
 
 
 def _from_env(variable: str) -> Path | None:
@@ -24,7 +25,7 @@ def data_dir() -> Path:
     """``$FOLIO_DATA_DIR``, else the user data folder: chats and the app's settings."""
     import platformdirs
 
-    return _from_env("FOLIO_DATA_DIR") or Path(platformdirs.user_data_dir(APP_NAME))
+    return _from_env(DATA_DIR_VARIABLE) or Path(platformdirs.user_data_dir(APP_NAME))
 
 
 def models_dir(folder: Path | str | None = None) -> Path:

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from engine.paths import data_dir
+    from gui.data_folder import open_store
     from gui.main_window import MainWindow
-    from gui.store import Store
 
     app = QApplication.instance() or QApplication(["folio"])
     QGuiApplication.setApplicationName("Folio")
@@ -83,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         app.setWindowIcon(icon)  # every window, dialogs included, takes the app's icon
 
     folder = data_dir()
-    store = Store(folder / "chats.sqlite3")
+    # A data folder that cannot be used does not stop the app: it starts on a fallback
+    # store, and the dialog names the path, the reason and what to do.
+    opening = open_store(folder)
+    store = opening.store
     settings = QSettings(str(folder / "folio.ini"), QSettings.Format.IniFormat)
     window = MainWindow(store, settings)
     window.show()
+    if opening.problem is not None:
+        window.show_data_folder_problem(opening.problem)
     window.start_engine(args.model)
 
     if not args.smoke_test:

@@ -36,8 +36,9 @@ from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo
 from gui.chat.controller import ChatController
 from gui.chat.view import ChatView
+from gui.data_folder import problem_dialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
-from gui.store import Store
+from gui.store import Store, StoreError, StoreMode
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +110,13 @@ class MainWindow(QMainWindow):
         bridge: EngineBridge | None = None,
     ):
         super().__init__()
-        self.setWindowTitle("Folio")
         self.store = store
         self.settings = settings
         self.bridge = bridge or EngineBridge(self)
         self.controller = ChatController(store, self.bridge, self)
         self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
         self.error_dialog: QMessageBox | None = None
+        self.data_folder_dialog: QMessageBox | None = None
         self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
         self.model_info: ModelInfo | None = None
         self._last_status = 0.0
@@ -152,6 +153,10 @@ class MainWindow(QMainWindow):
         self.chats.list.customContextMenuRequested.connect(self._conversation_menu)
         self.controller.conversations_listed.connect(self.refresh_conversations)
         self.controller.conversation_changed.connect(lambda _: self._mark_generating())
+        self.controller.saving_changed.connect(self._show_saving)
+        self.controller.generation_failed.connect(
+            lambda _cid, message: self.statusBar().showMessage(message, 10_000)
+        )
         self.bridge.snapshot_ready.connect(self.on_snapshot)
         self.bridge.engine_ready.connect(self.on_engine_ready)
         self.bridge.engine_failed.connect(self.on_engine_failed)
@@ -160,6 +165,7 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.memory_dock], [480], Qt.Orientation.Horizontal)
         self._restore_layout()
         self._apply_threads()
+        self._show_saving("")
         self.refresh_conversations()
         last = self.settings.value("chats/current")
         if last is not None and self._find_item(int(last)) is not None:
@@ -187,6 +193,10 @@ class MainWindow(QMainWindow):
             bar.addWidget(w)
         self.jobs_label.setStyleSheet("padding: 0 6px;")
         bar.addWidget(self.jobs_label, 1)
+        self.saving_label = QLabel()
+        self.saving_label.setStyleSheet("padding: 0 6px; color: #B3261E; font-weight: 600;")
+        self.saving_label.setVisible(False)
+        bar.addPermanentWidget(self.saving_label)
         bar.addPermanentWidget(self.load_bar)
 
     def _build_actions(self) -> None:
@@ -486,13 +496,18 @@ class MainWindow(QMainWindow):
                 if select is not None:
                     select(cid)
 
-    def new_conversation(self, title: str = "New chat") -> int:
+    def new_conversation(self, title: str = "New chat") -> int | None:
         """A new chat that inherits the current chat's system prompt and sampling, so
-        chats started in a row share their prompt prefix in the cache."""
+        chats started in a row share their prompt prefix in the cache. None when the
+        store refuses it (the user is told why)."""
         system_prompt, sampling = "", {}
         if self.chat_view.conversation_id is not None:
             system_prompt, sampling = self.chat_view.settings.values()
-        conv = self.store.create_conversation(title, system_prompt, sampling)
+        try:
+            conv = self.store.create_conversation(title, system_prompt, sampling)
+        except StoreError as exc:
+            self.show_error("Could not start a new chat", str(exc))
+            return None
         self.chats.search.clear()
         self.refresh_conversations()
         self.select_conversation(conv.id)
@@ -510,7 +525,11 @@ class MainWindow(QMainWindow):
                 return
         title = title.strip()
         if title:
-            self.store.update_conversation(cid, title=title)
+            try:
+                self.store.update_conversation(cid, title=title)
+            except StoreError as exc:
+                self.show_error("Could not rename the chat", str(exc))
+                return
             self.refresh_conversations()
             if cid == self.chat_view.conversation_id:
                 self.chat_view.title.setText(title)
@@ -524,8 +543,12 @@ class MainWindow(QMainWindow):
             answer = QMessageBox.question(self, "Delete chat", f"Delete “{title}” for good?")
             if answer != QMessageBox.StandardButton.Yes:
                 return
+        try:
+            self.store.delete_conversation(cid)
+        except StoreError as exc:
+            self.show_error("Could not delete the chat", str(exc))
+            return
         self.controller.stop(cid)
-        self.store.delete_conversation(cid)
         if cid == self.chat_view.conversation_id:
             self.chat_view.show_conversation(None)
         self.refresh_conversations()
@@ -550,6 +573,31 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"page {page}", 3000)
 
     # -- errors -----------------------------------------------------------------------
+
+    def _show_saving(self, failure: str) -> None:
+        """Title and status bar say so while chats are not being saved: for the whole
+        session on a read-only or temporary store, until writes work again after a
+        failed one (`failure`) otherwise."""
+        mode = self.store.mode
+        if mode is StoreMode.SAVED:
+            self.setWindowTitle("Folio" if not failure else "Folio — chats are not being saved")
+            self.saving_label.setText("⚠ Not saved" if failure else "")
+            self.saving_label.setToolTip(failure)
+            self.saving_label.setVisible(bool(failure))
+            return
+        self.setWindowTitle(f"Folio — chats are not being saved ({mode.value})")
+        self.saving_label.setText(f"⚠ Chats are not being saved ({mode.value})")
+        because = self.store.unsaved_because
+        self.saving_label.setToolTip(failure or (str(because) if because else ""))
+        self.saving_label.setVisible(True)
+
+    def show_data_folder_problem(self, problem: StoreError) -> QMessageBox:
+        """The start-up dialog for a data folder that cannot be used; non-blocking, like
+        `show_error`, so the engine goes on loading behind it."""
+        box = problem_dialog(problem, self.store, self)
+        box.open()
+        self.data_folder_dialog = box
+        return box
 
     def show_error(self, title: str, message: str) -> QMessageBox:
         """A non-blocking dialog (`open`, not `exec`): the engine keeps streaming."""

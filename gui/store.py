@@ -8,20 +8,35 @@ that leaf is the transcript sent to the model.
 Replies are written while they stream (`update_message` with `complete=False`), so a
 killed process loses at most what arrived since the last write. The store knows
 nothing of Qt and is used from the UI thread only.
+
+Opening an existing, current database only reads it (the schema is written when it is
+missing or old), so a full disk or a read-only file still shows the chats. Every write
+is one transaction: a write that fails (disk full, read-only) raises `StoreError`,
+whose message names the path and what to do, and leaves what was stored as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import sqlite3
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from engine import paths
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # PRAGMA user_version of a database with the schema below
+DATABASE_NAME = "chats.sqlite3"
+IN_MEMORY = Path(":memory:")
+# Another Folio's write holds the lock for milliseconds; waiting longer means it is stuck.
+BUSY_TIMEOUT_S = 5.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -47,6 +62,113 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id);
 """
+
+_MOVE = f"set {paths.DATA_DIR_VARIABLE} to a folder you can write to"
+
+
+class StoreProblem(Enum):
+    """Why the chat database or its folder cannot be used: the reason, worded to follow
+    "Could not save to PATH:", and what the user can do about it."""
+
+    FULL = ("the disk is full", "Free some space on that disk; the chats already saved are kept.")
+    READ_ONLY = (
+        "it is read-only, or Folio may not write there",
+        f"Make it writable for your user, or {_MOVE}.",
+    )
+    NOT_A_FOLDER = (
+        "it is a file, not a folder",
+        f"Move or rename that file, or {_MOVE}.",
+    )
+    CORRUPT = (
+        "it is not a readable chat database",
+        "Folio leaves the file as it is: restore it from a backup, or move it elsewhere "
+        "and Folio starts a new one.",
+    )
+    LOCKED = (
+        "another program is using it",
+        "Close the other Folio (or the program that has the file open).",
+    )
+    NEWER = (
+        "a newer version of Folio wrote it",
+        "Update Folio to save chats again; this version only reads them.",
+    )
+    UNAVAILABLE = (
+        "it cannot be opened",
+        f"Check that the disk is there and the folder exists, or {_MOVE}.",
+    )
+
+    @property
+    def reason(self) -> str:
+        return self.value[0]
+
+    @property
+    def advice(self) -> str:
+        return self.value[1]
+
+
+_SQLITE_PROBLEMS = {
+    sqlite3.SQLITE_FULL: StoreProblem.FULL,
+    sqlite3.SQLITE_READONLY: StoreProblem.READ_ONLY,
+    sqlite3.SQLITE_PERM: StoreProblem.READ_ONLY,
+    sqlite3.SQLITE_CORRUPT: StoreProblem.CORRUPT,
+    sqlite3.SQLITE_NOTADB: StoreProblem.CORRUPT,
+    sqlite3.SQLITE_BUSY: StoreProblem.LOCKED,
+    sqlite3.SQLITE_LOCKED: StoreProblem.LOCKED,
+}
+_OS_PROBLEMS = {
+    errno.ENOSPC: StoreProblem.FULL,
+    getattr(errno, "EDQUOT", errno.ENOSPC): StoreProblem.FULL,
+    errno.EROFS: StoreProblem.READ_ONLY,
+    errno.EACCES: StoreProblem.READ_ONLY,
+    errno.EPERM: StoreProblem.READ_ONLY,
+    errno.EEXIST: StoreProblem.NOT_A_FOLDER,
+    errno.ENOTDIR: StoreProblem.NOT_A_FOLDER,
+}
+# SQLite's and the OS's own words add something only where the reason is vague.
+_DETAILED = (StoreProblem.CORRUPT, StoreProblem.UNAVAILABLE)
+
+
+class StoreError(Exception):
+    """The chat database or its folder cannot be read or written. `str()` is the whole
+    message for the user: the path, what is wrong and what to do."""
+
+    def __init__(
+        self, path: str | Path, problem: StoreProblem, detail: str = "", action: str = "save to"
+    ):
+        self.path = Path(path)
+        self.problem = problem
+        self.detail = detail
+        self.action = action
+        super().__init__(str(self))
+
+    @classmethod
+    def from_exception(
+        cls, path: str | Path, exc: BaseException, action: str = "save to"
+    ) -> StoreError:
+        if isinstance(exc, StoreError):
+            return cls(exc.path, exc.problem, exc.detail, action)
+        if isinstance(exc, sqlite3.Error):
+            code = (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF  # the primary code
+            problem = _SQLITE_PROBLEMS.get(code, StoreProblem.UNAVAILABLE)
+        elif isinstance(exc, OSError):
+            problem = _OS_PROBLEMS.get(exc.errno or 0, StoreProblem.UNAVAILABLE)
+        else:
+            problem = StoreProblem.UNAVAILABLE
+        words = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return cls(path, problem, words if problem in _DETAILED else "", action)
+
+    @property
+    def reason(self) -> str:
+        return f"{self.problem.reason} ({self.detail})" if self.detail else self.problem.reason
+
+    def __str__(self) -> str:
+        return f"Could not {self.action} {self.path}: {self.reason}. {self.problem.advice}"
+
+
+class StoreMode(Enum):
+    SAVED = "saved"  # the data folder's database, read and written
+    READ_ONLY = "read-only"  # the data folder's database, read; every write refused
+    TEMPORARY = "temporary"  # a new database that is deleted when Folio closes
 
 
 @dataclass
@@ -74,26 +196,98 @@ class Message:
 
 
 class Store:
-    """The chat database. Every write commits at once (WAL keeps that cheap)."""
+    """The chat database. Every write is one transaction, committed at once (WAL keeps
+    that cheap).
 
-    def __init__(self, path: str | Path | None = None):
+    `Store(path)` opens (or creates) `path` for reading and writing. With
+    `read_only_because` it only reads, and every write raises that error again, so the
+    user is told the real reason (a full disk, say) rather than "read-only".
+    `Store.temporary()` is a new database in a temporary folder."""
+
+    def __init__(
+        self, path: str | Path | None = None, *, read_only_because: StoreError | None = None
+    ):
         if path is None:
-            path = paths.data_dir() / "chats.sqlite3"
+            path = paths.data_dir() / DATABASE_NAME
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: autocommit, so a partial reply is on disk when the call
-        # returns; synchronous=NORMAL under WAL survives a process kill (not power loss),
-        # which is the failure the partial-reply writes guard against.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self.mode = StoreMode.READ_ONLY if read_only_because else StoreMode.SAVED
+        # Why chats are not being saved to the data folder (None: they are).
+        self.unsaved_because = read_only_because
+        self._temporary_folder: Path | None = None
+        if read_only_because is None:
+            self._db = self._open(read_only=False)
+            return
+        try:
+            self._db = self._open(read_only=True)
+        except StoreError as exc:
+            # A read-only open still creates the -shm file, which a full disk or a
+            # read-only folder refuses; an immutable open needs none (but misses a -wal
+            # a crash left behind, which stays on disk for the next normal open).
+            if exc.problem not in (StoreProblem.FULL, StoreProblem.UNAVAILABLE):
+                raise
+            self._db = self._open(read_only=True, immutable=True)
+
+    def _open(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
+        if not read_only and self.path != IN_MEMORY:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError.from_exception(self.path.parent, exc, "use") from exc
+        try:
+            db = _connect(self.path, read_only, immutable)
+        except sqlite3.Error as exc:
+            raise StoreError.from_exception(self.path, exc, "open") from exc
+        try:
+            _prepare(db, self.path, read_only)
+        except BaseException as exc:
+            db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError.from_exception(self.path, exc, "open") from exc
+            raise
+        return db
+
+    @classmethod
+    def temporary(cls, because: StoreError | None = None) -> Store:
+        """A new database in a temporary folder (in memory if even that fails), deleted
+        on `close`: where chats go when the data folder cannot be used."""
+        folder: Path | None = None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="folio-chats-"))
+            store = cls(folder / DATABASE_NAME)
+        except (OSError, StoreError):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            folder = None
+            store = cls(IN_MEMORY)
+        store.mode = StoreMode.TEMPORARY
+        store.unsaved_because = because
+        store._temporary_folder = folder
+        return store
 
     def close(self) -> None:
         self._db.close()
+        if self._temporary_folder is not None:
+            shutil.rmtree(self._temporary_folder, ignore_errors=True)
+            self._temporary_folder = None
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One transaction: every statement of a call is stored, or none is."""
+        if self.mode is StoreMode.READ_ONLY:
+            assert self.unsaved_because is not None
+            raise StoreError.from_exception(self.path, self.unsaved_because)
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                with suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError.from_exception(self.path, exc) from exc
+            raise
 
     # -- conversations ----------------------------------------------------------------
 
@@ -101,11 +295,12 @@ class Store:
         self, title: str = "New chat", system_prompt: str = "", sampling: dict | None = None
     ) -> Conversation:
         now = time.time()
-        cur = self._db.execute(
-            "INSERT INTO conversations (title, system_prompt, sampling, created, updated)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (title, system_prompt, json.dumps(sampling or {}), now, now),
-        )
+        with self._writing() as db:
+            cur = db.execute(
+                "INSERT INTO conversations (title, system_prompt, sampling, created, updated)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (title, system_prompt, json.dumps(sampling or {}), now, now),
+            )
         return self.conversation(int(cur.lastrowid))
 
     def conversation(self, conversation_id: int) -> Conversation:
@@ -133,21 +328,12 @@ class Store:
         return [_conversation(r) for r in rows]
 
     def update_conversation(self, conversation_id: int, **fields: Any) -> None:
-        allowed = {"title", "system_prompt", "sampling", "current_leaf"}
-        unknown = set(fields) - allowed
-        if unknown:
-            raise ValueError(f"unknown conversation fields: {sorted(unknown)}")
-        if "sampling" in fields:
-            fields["sampling"] = json.dumps(fields["sampling"])
-        fields["updated"] = time.time()
-        columns = ", ".join(f"{name} = ?" for name in fields)
-        self._db.execute(
-            f"UPDATE conversations SET {columns} WHERE id = ?",
-            (*fields.values(), conversation_id),
-        )
+        with self._writing() as db:
+            _update_conversation(db, conversation_id, fields)
 
     def delete_conversation(self, conversation_id: int) -> None:
-        self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        with self._writing() as db:
+            db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
     # -- messages ---------------------------------------------------------------------
 
@@ -163,23 +349,24 @@ class Store:
         make_current: bool = True,
     ) -> Message:
         now = time.time()
-        cur = self._db.execute(
-            "INSERT INTO messages (conversation_id, parent_id, role, content, complete, error,"
-            " stats, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                conversation_id,
-                parent_id,
-                role,
-                content,
-                int(complete),
-                error,
-                json.dumps(stats or {}),
-                now,
-            ),
-        )
-        message_id = int(cur.lastrowid)
-        if make_current:
-            self.update_conversation(conversation_id, current_leaf=message_id)
+        with self._writing() as db:
+            cur = db.execute(
+                "INSERT INTO messages (conversation_id, parent_id, role, content, complete,"
+                " error, stats, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    conversation_id,
+                    parent_id,
+                    role,
+                    content,
+                    int(complete),
+                    error,
+                    json.dumps(stats or {}),
+                    now,
+                ),
+            )
+            message_id = int(cur.lastrowid)
+            if make_current:
+                _update_conversation(db, conversation_id, {"current_leaf": message_id})
         return self.message(message_id)
 
     def update_message(
@@ -200,9 +387,10 @@ class Store:
             sets.append("stats = ?")
             values.append(json.dumps(stats))
         if sets:
-            self._db.execute(
-                f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, message_id)
-            )
+            with self._writing() as db:
+                db.execute(
+                    f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, message_id)
+                )
 
     def message(self, message_id: int) -> Message:
         row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
@@ -253,6 +441,58 @@ class Store:
             if row is None:
                 return current
             current = int(row["id"])
+
+
+def _connect(path: Path, read_only: bool, immutable: bool) -> sqlite3.Connection:
+    # isolation_level=None: no implicit transactions; `Store._writing` opens and commits
+    # each one, so a partial reply is on disk when the call returns.
+    options = dict(isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+    if path == IN_MEMORY:
+        return sqlite3.connect(":memory:", **options)
+    if not read_only:
+        return sqlite3.connect(path, **options)
+    # mode=ro never writes the file; immutable=1 also skips the -shm file a read-only
+    # open would create (which fails on a full disk), at the price of not seeing a
+    # -wal left by a crash: the last resort before a temporary store.
+    uri = path.resolve().as_uri() + ("?mode=ro&immutable=1" if immutable else "?mode=ro")
+    return sqlite3.connect(uri, uri=True, **options)
+
+
+def _prepare(db: sqlite3.Connection, path: Path, read_only: bool) -> None:
+    """Connection settings, then the schema only where it is missing or old: opening a
+    current database reads it and writes nothing."""
+    db.row_factory = sqlite3.Row
+    # synchronous=NORMAL under WAL survives a process kill (not power loss), which is the
+    # failure the partial-reply writes guard against.
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA foreign_keys=ON")
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])  # the first read
+    if read_only:
+        if version < SCHEMA_VERSION:
+            # Nothing to show without the schema, and adding it would be a write.
+            raise StoreError(path, StoreProblem.UNAVAILABLE, "it holds no chats", "open")
+        return
+    if version > SCHEMA_VERSION:
+        raise StoreError(path, StoreProblem.NEWER, action="open")
+    if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        db.execute("PRAGMA journal_mode=WAL")
+    if version < SCHEMA_VERSION:
+        db.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+
+
+def _update_conversation(db: sqlite3.Connection, conversation_id: int, fields: dict) -> None:
+    allowed = {"title", "system_prompt", "sampling", "current_leaf"}
+    unknown = set(fields) - allowed
+    if unknown:
+        raise ValueError(f"unknown conversation fields: {sorted(unknown)}")
+    fields = dict(fields)
+    if "sampling" in fields:
+        fields["sampling"] = json.dumps(fields["sampling"])
+    fields["updated"] = time.time()
+    columns = ", ".join(f"{name} = ?" for name in fields)
+    db.execute(
+        f"UPDATE conversations SET {columns} WHERE id = ?", (*fields.values(), conversation_id)
+    )
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:

@@ -301,9 +301,9 @@ class MessageBubble(QFrame):
         text, self.text = self.text, ""
         self.set_text(text)
 
-    def set_error(self, message: str) -> None:
+    def set_error(self, message: str, title: str = "Error") -> None:
         self.setObjectName("bubble_error")
-        self.role_label.setText("Error")
+        self.role_label.setText(title)
         self.setStyleSheet(self.styleSheet())  # re-polish with the new object name
         self.style().unpolish(self)
         self.style().polish(self)
@@ -379,3 +379,13 @@ class MessageBubble(QFrame):
         self.cancel_edit()
         if text and text != self.text:
             self.edit_submitted.emit(self.message_id, text)
+
+
+def notice_bubble(message: str) -> MessageBubble:
+    """A "Not saved" bubble below the chat: a store failure, which is no message of
+    the conversation, so it has no versions and no actions."""
+    bubble = MessageBubble(0, "assistant", [])
+    bubble.set_error(message, title="Not saved")
+    for button in bubble.action_buttons.values():
+        button.setVisible(False)
+    return bubble

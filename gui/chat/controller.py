@@ -6,11 +6,18 @@ assistant message(s) it fills (one per sample), and the text streamed so far. Te
 is kept in memory and written to the store at most every `SAVE_INTERVAL_MS`, so a
 killed app loses under a second of a reply, and the UI thread does one small write
 per reply per half second, whatever the token rate.
+
+Every failure ends on screen with what to do: a request the engine refuses and a job
+that fails become error bubbles; a write the store refuses (a full disk, a read-only
+data folder) becomes a "Not saved" notice below the chat, and a reply it could not
+store stays in memory, shown, and is written again on every save tick until it is on
+disk. No reply is left marked as generating once its job has ended.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
@@ -18,9 +25,12 @@ from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
 from gui.bridge import EngineBridge
-from gui.store import Message, Store
+from gui.store import Message, Store, StoreError
+
+log = logging.getLogger(__name__)
 
 SAVE_INTERVAL_MS = 500
+NOT_SAVED = "not saved"  # the status of a reply the store refused
 
 DEFAULT_SAMPLING: dict[str, Any] = {
     "temperature": 0.7,
@@ -41,6 +51,50 @@ class Generation:
     status: str = "queued"
     dirty: set[int] = field(default_factory=set)  # sample indices not yet saved
     changed: bool = True  # text or status changed since the view last looked
+
+
+@dataclass
+class UnsavedReply:
+    """The final state of a reply the store refused, kept until a save gets through."""
+
+    conversation_id: int
+    content: str
+    error: str
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """Why the latest change to a conversation is not on disk: the store's message,
+    which names the path and what to do."""
+
+    message: str
+    unsent: str = ""  # a message the user wrote that is not stored: it goes back to them
+
+
+def refused_advice(message: str) -> str:
+    """What to do about a request the engine did not take, when its words do not say."""
+    if "cache" in message and "pages" in message:
+        return (
+            "Shorten the message, start a new chat, or give the KV cache a bigger budget "
+            "in File > Engine settings."
+        )
+    if "no model is loaded" in message or "shut down" in message:
+        return (
+            "Wait until the model has loaded (the status bar shows its name), or open one "
+            "with File > Models…, then send the message again."
+        )
+    return "Edit the message or start a new chat, then try again."
+
+
+FAILED_ADVICE = (
+    "Press Regenerate to try again; if it fails again, start a new chat or load another "
+    "model with File > Models…."
+)
+
+
+def with_advice(message: str, advice: str) -> str:
+    return f"{message.strip().rstrip('.')}. {advice}"
 
 
 def sampling_from(settings: dict[str, Any]) -> tuple[SamplingSettings, int]:
@@ -83,6 +137,8 @@ class ChatController(QObject):
     conversation_changed = Signal(int)  # messages added, finished or switched
     conversations_listed = Signal()  # titles or order changed
     generation_failed = Signal(int, str)  # (conversation id, message) for a status line
+    # the latest store failure's message, or "" once every change is on disk again
+    saving_changed = Signal(str)
 
     def __init__(self, store: Store, bridge: EngineBridge, parent: QObject | None = None):
         super().__init__(parent)
@@ -90,6 +146,8 @@ class ChatController(QObject):
         self.bridge = bridge
         self.generations: dict[int, Generation] = {}
         self._by_message: dict[int, Generation] = {}
+        self.failures: dict[int, SaveFailure] = {}  # by conversation id
+        self.unsaved: dict[int, UnsavedReply] = {}  # by message id
         bridge.job_events.connect(self.on_job_events)
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -106,7 +164,27 @@ class ChatController(QObject):
 
     def status(self, message_id: int) -> str:
         gen = self._by_message.get(message_id)
-        return gen.status if gen is not None else ""
+        if gen is not None:
+            return gen.status
+        return NOT_SAVED if message_id in self.unsaved else ""
+
+    def shown(self, message: Message) -> Message:
+        """`message` as the user should see it: a finished reply the store refused
+        looks as it would once stored."""
+        reply = self.unsaved.get(message.id)
+        if reply is None:
+            return message
+        return replace(
+            message, content=reply.content, complete=True, error=reply.error, stats=reply.stats
+        )
+
+    def take_unsent(self, conversation_id: int) -> str:
+        """The message the user wrote that could not be stored, once: for the input box."""
+        failure = self.failures.get(conversation_id)
+        if failure is None or not failure.unsent:
+            return ""
+        self.failures[conversation_id] = replace(failure, unsent="")
+        return failure.unsent
 
     def is_generating(self, conversation_id: int) -> bool:
         return any(g.conversation_id == conversation_id for g in self.generations.values())
@@ -125,14 +203,22 @@ class ChatController(QObject):
     def send(self, conversation_id: int, text: str, n: int = 1) -> int | None:
         """Append a user message below the current leaf and answer it (n samples).
         Returns the job id, or None when nothing was sent (empty text, an error
-        bubble instead)."""
+        bubble or a "Not saved" notice instead)."""
         text = text.strip()
         if not text:
             return None
         conv = self.store.conversation(conversation_id)
-        user = self.store.add_message(conversation_id, conv.current_leaf, "user", text)
+        try:
+            user = self.store.add_message(conversation_id, conv.current_leaf, "user", text)
+        except StoreError as exc:
+            self._store_failed(conversation_id, exc, unsent=text)
+            return None
+        self._stored(conversation_id)
         if conv.title in ("", "New chat"):
-            self.store.update_conversation(conversation_id, title=_title_from(text))
+            try:
+                self.store.update_conversation(conversation_id, title=_title_from(text))
+            except StoreError as exc:
+                self._store_failed(conversation_id, exc)
             self.conversations_listed.emit()
         return self._answer(conversation_id, user, n)
 
@@ -142,7 +228,12 @@ class ChatController(QObject):
         old = self.store.message(message_id)
         if not text or old.role != "user":
             return None
-        user = self.store.add_message(old.conversation_id, old.parent_id, "user", text)
+        try:
+            user = self.store.add_message(old.conversation_id, old.parent_id, "user", text)
+        except StoreError as exc:
+            self._store_failed(old.conversation_id, exc, unsent=text)
+            return None
+        self._stored(old.conversation_id)
         return self._answer(old.conversation_id, user, 1)
 
     def regenerate(self, message_id: int) -> int | None:
@@ -155,9 +246,11 @@ class ChatController(QObject):
 
     def switch_version(self, message_id: int) -> None:
         msg = self.store.message(message_id)
-        self.store.update_conversation(
-            msg.conversation_id, current_leaf=self.store.deepest_leaf(message_id)
-        )
+        leaf = self.store.deepest_leaf(message_id)
+        try:
+            self.store.update_conversation(msg.conversation_id, current_leaf=leaf)
+        except StoreError as exc:
+            self._store_failed(msg.conversation_id, exc)
         self.conversation_changed.emit(msg.conversation_id)
 
     def stop(self, conversation_id: int) -> None:
@@ -197,25 +290,37 @@ class ChatController(QObject):
 
     def _answer(self, conversation_id: int, parent: Message, n: int) -> int | None:
         n = max(1, int(n))
-        replies = [
-            self.store.add_message(
-                conversation_id, parent.id, "assistant", "", complete=False, make_current=(i == 0)
-            )
-            for i in range(n)
-        ]
+        replies: list[Message] = []
+        try:
+            for i in range(n):
+                replies.append(
+                    self.store.add_message(
+                        conversation_id,
+                        parent.id,
+                        "assistant",
+                        "",
+                        complete=False,
+                        make_current=(i == 0),
+                    )
+                )
+        except StoreError as exc:
+            self._store_failed(conversation_id, exc)
+            # Replies already added would stay "interrupted": they end as errors that
+            # say why, stored once the store takes writes again.
+            for reply in replies:
+                self._complete(conversation_id, reply.id, "", str(exc), {})
+            self.conversation_changed.emit(conversation_id)
+            return None
         try:
             request = self.request_for(conversation_id, parent, n)
             handle = self.bridge.submit(request)
-        except (ValueError, RuntimeError) as exc:
-            # Bad input is shown in the chat as an error bubble, never raised.
+        except Exception as exc:  # noqa: BLE001 - every refusal becomes an error bubble
+            if not isinstance(exc, (ValueError, RuntimeError)):  # not the documented ones
+                log.exception("submitting a chat job failed")
             message = str(exc) or type(exc).__name__
-            if "cache" in message and "pages" in message:
-                message += (
-                    ". Shorten the message, start a new chat, or give the KV cache a "
-                    "bigger budget in File > Engine settings."
-                )
+            message = with_advice(message, refused_advice(message))
             for reply in replies:
-                self.store.update_message(reply.id, complete=True, error=message)
+                self._complete(conversation_id, reply.id, "", message, {})
             self.conversation_changed.emit(conversation_id)
             self.generation_failed.emit(conversation_id, message)
             return None
@@ -259,6 +364,7 @@ class ChatController(QObject):
         del self.generations[gen.job_id]
         for mid in gen.message_ids:
             self._by_message.pop(mid, None)
+        failed = ""
         for i, mid in enumerate(gen.message_ids):
             text = gen.texts[i]
             error = ""
@@ -268,19 +374,85 @@ class ChatController(QObject):
                     text = result.texts[i]
                 stats = figures_of(result, i)
                 if result.eos_reason == "error":
-                    error = result.error or "the engine failed"
-            self.store.update_message(mid, content=text, complete=True, error=error, stats=stats)
+                    failed = result.error or "the engine failed"
+                    error = with_advice(failed, FAILED_ADVICE)
+            self._complete(gen.conversation_id, mid, text, error, stats)
         self.conversation_changed.emit(gen.conversation_id)
+        if failed:
+            self.generation_failed.emit(gen.conversation_id, failed)
+
+    def _complete(
+        self, conversation_id: int, message_id: int, text: str, error: str, stats: dict
+    ) -> None:
+        """Store a reply's final state, or keep it here (shown, and retried on every save
+        tick) when the store refuses it: a finished reply is never lost, nor left
+        looking unfinished."""
+        self.unsaved[message_id] = UnsavedReply(conversation_id, text, error, stats)
+        self._store_unsaved(message_id)
+
+    def _store_unsaved(self, message_id: int) -> bool:
+        reply = self.unsaved[message_id]
+        try:
+            self.store.update_message(
+                message_id,
+                content=reply.content,
+                complete=True,
+                error=reply.error,
+                stats=reply.stats,
+            )
+        except StoreError as exc:
+            self._store_failed(reply.conversation_id, exc)
+            return False
+        del self.unsaved[message_id]
+        self._stored(reply.conversation_id)
+        return True
 
     @Slot()
     def save_partials(self) -> None:
-        """Write streamed text that is not on disk yet (crash safety)."""
+        """Write streamed text that is not on disk yet (crash safety), and finished
+        replies the store refused before. What fails stays in memory for the next tick."""
         for gen in self.generations.values():
             for index in sorted(gen.dirty):
-                self.store.update_message(
-                    gen.message_ids[index], content=gen.texts[index], complete=False
-                )
-            gen.dirty.clear()
+                try:
+                    self.store.update_message(
+                        gen.message_ids[index], content=gen.texts[index], complete=False
+                    )
+                except StoreError as exc:
+                    self._store_failed(gen.conversation_id, exc)
+                    break
+                gen.dirty.discard(index)
+                self._stored(gen.conversation_id)
+        for message_id in list(self.unsaved):
+            if not self._store_unsaved(message_id):
+                break  # the store still refuses; the notice already says why
+
+    # -- store failures ---------------------------------------------------------------
+
+    def report_store_error(self, conversation_id: int, error: StoreError) -> None:
+        """A write for this conversation failed outside the controller (its settings):
+        shown like the controller's own."""
+        self._store_failed(conversation_id, error)
+
+    def _store_failed(self, conversation_id: int, error: StoreError, unsent: str = "") -> None:
+        # Only a new failure is announced: a save tick that keeps failing stays quiet.
+        failure = SaveFailure(str(error), unsent)
+        if self.failures.get(conversation_id) == failure:
+            return
+        self.failures[conversation_id] = failure
+        self.saving_changed.emit(failure.message)
+        self.conversation_changed.emit(conversation_id)
+
+    def _stored(self, conversation_id: int) -> None:
+        """A write for this conversation went through: its notice is no longer true,
+        unless a reply of it is still waiting."""
+        if conversation_id not in self.failures:
+            return
+        if any(r.conversation_id == conversation_id for r in self.unsaved.values()):
+            return
+        del self.failures[conversation_id]
+        self.conversation_changed.emit(conversation_id)
+        if not self.failures:
+            self.saving_changed.emit("")
 
 
 def _title_from(text: str, limit: int = 40) -> str:

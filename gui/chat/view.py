@@ -28,10 +28,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from gui.chat.bubble import MessageBubble, bubble_style
+from gui.chat.bubble import MessageBubble, bubble_style, notice_bubble
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
 from gui.palette import palette_for
-from gui.store import Store
+from gui.store import Store, StoreError
 
 RENDER_INTERVAL_MS = 100  # streaming re-render throttle
 
@@ -176,6 +176,7 @@ class ChatView(QWidget):
         self.controller = controller
         self.conversation_id: int | None = None
         self.bubbles: dict[int, MessageBubble] = {}
+        self.notice: MessageBubble | None = None  # why the last change is not on disk
         self._pinned_dark: bool | None = None
         self.set_dark(None)
         if QGuiApplication.instance() is not None:
@@ -282,20 +283,33 @@ class ChatView(QWidget):
         self.reload()
 
     def save_settings(self) -> None:
+        self._save_settings_timer.stop()  # saved now: a pending save would only repeat it
         if self.conversation_id is None:
             return
         system_prompt, sampling = self.settings.values()
-        self.store.update_conversation(
-            self.conversation_id, system_prompt=system_prompt, sampling=sampling
-        )
+        conv = self.store.conversation(self.conversation_id)
+        # Unchanged settings are not written: closing the window then touches nothing,
+        # which is what lets a read-only chat database close cleanly.
+        if (conv.system_prompt, conv.sampling) == (system_prompt, sampling):
+            return
+        try:
+            self.store.update_conversation(
+                self.conversation_id, system_prompt=system_prompt, sampling=sampling
+            )
+        except StoreError as exc:
+            self.controller.report_store_error(self.conversation_id, exc)
 
     def _clear(self) -> None:
         # Hidden and out of the layout now; deleted when control returns to the loop.
-        for bubble in self.bubbles.values():
+        shown = list(self.bubbles.values())
+        if self.notice is not None:
+            shown.append(self.notice)
+        for bubble in shown:
             self.messages_layout.removeWidget(bubble)
             bubble.hide()
             bubble.deleteLater()
         self.bubbles = {}
+        self.notice = None
 
     def reload(self) -> None:
         """Rebuild the bubbles from the store (structure changed: new message, new
@@ -308,7 +322,8 @@ class ChatView(QWidget):
         self._clear()
         path = self.store.transcript(cid)
         self.empty_hint.setVisible(not path)
-        for msg in path:
+        for stored in path:
+            msg = self.controller.shown(stored)
             versions = [m.id for m in self.store.siblings(msg)]
             bubble = MessageBubble(msg.id, msg.role, versions)
             bubble.edit_submitted.connect(self._edit)
@@ -320,12 +335,22 @@ class ChatView(QWidget):
             else:
                 bubble.set_text(live if live is not None else msg.content)
             bubble.set_figures(msg.stats)
-            if live is not None:
-                bubble.set_status(self.controller.status(msg.id))
+            status = self.controller.status(msg.id)
+            if status:
+                bubble.set_status(status)
             elif not msg.complete:
                 bubble.set_status("interrupted")
             self.messages_layout.insertWidget(self.messages_layout.count() - 1, bubble)
             self.bubbles[msg.id] = bubble
+        failure = self.controller.failures.get(cid)
+        if failure is not None:
+            self.notice = notice_bubble(failure.message)
+            self.messages_layout.insertWidget(self.messages_layout.count() - 1, self.notice)
+            self.empty_hint.setVisible(False)
+        # What the user typed and the store refused goes back where they typed it.
+        unsent = self.controller.take_unsent(cid)
+        if unsent and not self.input.toPlainText().strip():
+            self.input.setPlainText(unsent)
         self._update_buttons()
         if at_bottom or self.controller.is_generating(cid):
             QTimer.singleShot(0, self._scroll_to_bottom)
