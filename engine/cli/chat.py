@@ -15,6 +15,7 @@ from typing import TextIO
 import numpy as np
 
 from engine.cache.page import PageState
+from engine.cli.generate import utf8_problem
 from engine.engine import Engine, EngineSnapshot
 from engine.generator.job import EventKind, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
@@ -95,6 +96,8 @@ def run_chat(
             out.write(stats_text(last, engine.snapshot()) + "\n")
         elif command.startswith("/"):
             out.write(f"unknown command {command}: {HELP}\n")
+        elif (problem := utf8_problem(text)) is not None:
+            out.write(f"folio: that line is not valid UTF-8 ({problem}); type it again\n")
         elif command:
             messages.append({"role": "user", "content": text})
             try:

@@ -20,10 +20,10 @@ from engine.generator.sampler import SamplingSettings
 from engine.generator.stops import StopReason
 from engine.model.loader import DEFAULT_WEIGHT_MODE, LoadedModel, load_model
 
-EXIT_FAILED = 1  # as engine.cli.main's (which imports this module)
-
 
 def run_generate(args: argparse.Namespace) -> int:
+    sampling, max_new_tokens = request_settings(args)
+    check_text("the prompt", args.prompt)
     loaded = load_model(
         args.model,
         weight_mode=args.weights or DEFAULT_WEIGHT_MODE,
@@ -36,20 +36,23 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     request = JobRequest(
         prompt=prompt_ids,
-        sampling=SamplingSettings(temperature=args.temperature, seed=args.seed),
-        max_new_tokens=_max_new_tokens(loaded, len(prompt_ids), args.max_new_tokens),
+        sampling=sampling,
+        max_new_tokens=_max_new_tokens(loaded, len(prompt_ids), max_new_tokens),
     )
+    streamed = False
     with Engine(loaded, _cache_for(len(prompt_ids), request.max_new_tokens)) as engine:
         handle = engine.submit(request)
         for event in handle.events():
             if not args.json and event.kind is EventKind.STREAMING and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+                streamed = True
     result = handle.result
     assert result is not None
     if result.eos_reason == StopReason.ERROR:
-        print(f"\nfolio: {result.error}", file=sys.stderr)
-        return EXIT_FAILED
+        if streamed:
+            sys.stdout.write("\n")  # end the reply's line; the error goes on its own
+        raise ValueError(result.error)
     fields = completion_fields(result)
     if args.json:
         fields["load_seconds"] = round(loaded.load_seconds, 3)
@@ -60,6 +63,34 @@ def run_generate(args: argparse.Namespace) -> int:
         if os.environ.get("FOLIO_VERBOSE"):
             print(json.dumps({k: v for k, v in fields.items() if k != "text"}), file=sys.stderr)
     return 0
+
+
+def request_settings(args: argparse.Namespace) -> tuple[SamplingSettings, int]:
+    """The sampling settings and max new tokens of `folio generate` and `folio chat`, checked
+    as the engine checks a request, before the model loads: a bad value is refused the same
+    way in both commands, and before the wait."""
+    sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
+    JobRequest(prompt=[0], sampling=sampling, max_new_tokens=args.max_new_tokens).validate()
+    return sampling, args.max_new_tokens
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse text from the command line that is not UTF-8 (see `utf8_problem`)."""
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise ValueError(f"{what} is not valid UTF-8 ({problem})")
+
+
+def utf8_problem(text: str) -> str | None:
+    """Where ``text`` is not UTF-8, or None. Python hands undecodable bytes of the command
+    line and stdin over as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return f"{byte} at character {exc.start}"
+    return None
 
 
 def completion_fields(result: JobResult) -> dict[str, Any]:

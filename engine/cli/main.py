@@ -8,17 +8,34 @@ GUI. `parse_args` reads a command line, `run` carries out every command but the 
 from __future__ import annotations
 
 import argparse
+import errno
+import io
+import os
 import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
+# Every character str.splitlines() breaks at, so that an error naming what the user typed
+# (a path, a prompt) stays on one line: scripts read the last line of stderr.
+_LINE_BREAKS = {c: repr(chr(c))[1:-1] for c in (10, 11, 12, 13, 28, 29, 30, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(message: str) -> str:
+    """``message`` with its line breaks escaped."""
+    return message.translate(_LINE_BREAKS)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line like every other error of the command line."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="folio", description="Run quantized language models locally."
-    )
+    parser = _Parser(prog="folio", description="Run quantized language models locally.")
     # `folio --smoke-test` (what the launchers check) = `folio app --smoke-test`. Its own dest:
     # the `app` subparser's default would overwrite a shared one.
     parser.add_argument(
@@ -119,6 +136,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     kvq.add_argument("--model", type=Path)
     kvq.add_argument("--tokens", type=int, default=4096)
+    load = bsub.add_parser(
+        "load",
+        help="300 random jobs from 4 threads, cancels, a small cache: every job must end cleanly",
+    )
+    load.add_argument("--model", type=Path)
+    load.add_argument("--jobs", type=int, default=300)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--cache-tokens", type=int, default=1024)
+    load.add_argument("--tight-reader", action="store_true", help="also poll snapshot() nonstop")
+    load.add_argument("--json", action="store_true")
     return parser
 
 
@@ -144,7 +171,9 @@ def app_argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Carry out one command (not the app); the process exit status."""
     if starts_app(args):
-        raise ValueError("the desktop app is started by folio.main, not by the engine's command line")
+        raise ValueError(
+            "the desktop app is started by folio.main, not by the engine's command line"
+        )
     try:
         if args.command in ("generate", "chat", "bench") and hasattr(args, "model"):
             args.model = model_path(args.model)
@@ -165,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except (ValueError, OSError) as exc:
-        print(f"folio: {exc}", file=sys.stderr)
+        print(f"folio: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_USAGE
 
@@ -183,6 +212,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.batched import run_serve_bench
 
         run_serve_bench(args)
+    elif args.bench_command == "load":
+        from engine.bench.load import run_load_bench
+
+        run_load_bench(args)
     elif args.bench_command == "kv-quant":
         from engine.bench.kv_quant import run_kv_quant_bench
 
@@ -201,38 +234,83 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from engine.cache.kv_cache import CacheSettings
     from engine.cli.chat import run_chat
+    from engine.cli.generate import check_text, request_settings
     from engine.engine import Engine
-    from engine.generator.sampler import SamplingSettings
     from engine.model.loader import load_model
 
+    sampling, max_new_tokens = request_settings(args)
+    if args.system is not None:
+        check_text("the system prompt", args.system)
+    if args.cache_tokens < 1:
+        raise ValueError(f"--cache-tokens must be at least 1, got {args.cache_tokens}")
     # one conversation decodes one sequence: no batch would read bf16 batch copies
     loaded = load_model(args.model, batched_weights="off")
     if not loaded.tokenizer.has_chat_template:
         raise ValueError(
             f"{loaded.path.name} has no chat template: use `folio generate --raw` instead"
         )
+    # A template that cannot render fails every turn: say so now, once, and exit.
+    probe = [{"role": "system", "content": args.system}] if args.system else []
+    loaded.tokenizer.encode_chat([*probe, {"role": "user", "content": "Hello."}])
+    with Engine(loaded, _cache_settings(args, loaded)) as engine:
+        pages = engine.cache.pages
+        print(
+            f"{loaded.path.name}: {loaded.config.arch}, cache {pages.num_pages * pages.page_size} "
+            f"tokens in {pages.num_pages} page{'s' if pages.num_pages != 1 else ''} of {pages.page_size}"
+        )
+        if isinstance(sys.stdin, io.TextIOWrapper):
+            # undecodable bytes reach run_chat as lone surrogates, which it refuses line by line
+            sys.stdin.reconfigure(errors="surrogateescape")
+        run_chat(engine, sys.stdin, sys.stdout, args.system, sampling, max_new_tokens)
+    return 0
+
+
+def _cache_settings(args: argparse.Namespace, loaded):
+    """The cache `folio chat` asks for, refused with the sizes when memory cannot hold it
+    (allocating it would fail deep in torch, or have the system kill the process)."""
+    from engine.cache.kv_cache import CacheSettings
+    from engine.hub.fit import free_memory, kv_bytes_per_token
+
     cache = CacheSettings(
         page_size=args.page_size,
         token_budget=args.cache_tokens,
         k_bits=args.k_bits,
         v_bits=args.v_bits,
     )
-    sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
-    sampling.validate()
-    print(
-        f"{loaded.path.name}: {loaded.config.arch}, cache {args.cache_tokens} tokens in pages of {args.page_size}"
+    cfg = loaded.config
+    tokens = -(-args.cache_tokens // cache.page_size) * cache.page_size
+    need = tokens * kv_bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.k_bits, args.v_bits
     )
-    with Engine(loaded, cache) as engine:
-        run_chat(engine, sys.stdin, sys.stdout, args.system, sampling, args.max_new_tokens)
-    return 0
+    free = free_memory("cpu")
+    if free is not None and need > free:
+        raise ValueError(
+            f"a KV cache of {tokens:,} tokens needs {need / 1e9:,.1f} GB but {free / 1e9:.1f} GB "
+            "are free: choose a smaller --cache-tokens"
+        )
+    return cache
 
 
 def model_path(arg: Path | None) -> Path:
     """The model a command names, else the default model (fetched on first use)."""
     if arg is not None:
+        _check_model_path(arg)
         return arg
     from engine.model.fetch import ensure_default_model
 
     return ensure_default_model()
+
+
+def _check_model_path(path: Path) -> None:
+    """Errors the loader would report as a missing file, named for what they are."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path}: a loop of symbolic links, not a model file") from None
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            target = os.readlink(path)
+            raise ValueError(f"{path}: a symbolic link to {target}, which does not exist") from None
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None

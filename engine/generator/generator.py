@@ -35,7 +35,7 @@ from engine.generator.job import (
 from engine.generator.sampler import NOTHING_LEFT, NothingToSample, Sampler, make_generator
 from engine.generator.scheduler import Scheduler
 from engine.generator.settings import GeneratorSettings
-from engine.generator.stops import StopHandler, StopReason
+from engine.generator.stops import StopAutomaton, StopHandler, StopReason
 from engine.model.loader import LoadedModel
 from engine.telemetry import StepRecord, Telemetry
 
@@ -97,16 +97,7 @@ class Generator:
                 raise ValueError("this model has no chat template: send prompt token ids instead")
             prompt = list(tokenizer.encode_chat([dict(m) for m in request.messages]))
         else:
-            prompt = [int(t) for t in request.prompt]  # type: ignore[union-attr]
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        for token, _ in request.sampling.logit_bias:
-            if token >= vocab:
-                raise ValueError(
-                    f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})"
-                )
+            prompt = list(request.prompt)  # type: ignore[arg-type]
         limit = self.loaded.config.max_position_embeddings
         if len(prompt) + request.max_new_tokens > limit:
             room = limit - len(prompt)
@@ -118,9 +109,19 @@ class Generator:
                 f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
                 f"exceed the model's context of {limit} tokens: ask for at most {room} new tokens"
             )
-        self.scheduler.check_fits(request, len(prompt))
+        vocab = self.loaded.config.vocab_size
         stops = request.stop_token_ids
+        for name, ids in (
+            ("prompt token id", prompt),
+            ("stop token id", stops or ()),
+            ("logit_bias token id", [token for token, _ in request.sampling.logit_bias]),
+        ):
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{name} {max(ids)} is outside the vocabulary (0..{vocab - 1})")
+        self.scheduler.check_fits(request, len(prompt))
         stop_ids = frozenset(tokenizer.eos_token_ids if stops is None else stops)
+        # built here, in the caller's thread, so the engine thread finds it made (stops.py)
+        StopAutomaton.for_stops(tuple(dict.fromkeys(request.stop_strings)))
         return prompt, stop_ids
 
     def new_job_id(self) -> int:

@@ -10,7 +10,7 @@ the last one carries the `JobResult`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -20,7 +20,15 @@ import torch
 
 from engine.cache.page_table import Allocation, PageTable
 from engine.generator.sampler import SamplingSettings
-from engine.generator.stops import StopHandler
+from engine.generator.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StopHandler
+
+# What one request may carry, at most. Requests come from other threads and other programs; these
+# bound the work a request makes before the model says no (validating, encoding, matching stops).
+# The model's context and vocabulary give the real limits at submit (`Generator.prepare`).
+MAX_PROMPT_TOKENS = 1 << 20  # beyond any model's context
+MAX_MESSAGES = 1 << 16
+MAX_MESSAGE_CHARS = 1 << 23  # in all the messages' text: about 2M tokens, beyond any context
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -45,35 +53,114 @@ class JobRequest:
             raise ValueError("a job needs a prompt (token ids) or chat messages")
         if self.prompt is not None and self.messages is not None:
             raise ValueError("give either prompt token ids or chat messages, not both")
-        if self.prompt is not None and len(self.prompt) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if self.messages is not None and len(self.messages) == 0:
-            raise ValueError("the conversation is empty: give at least one message")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if self.prompt is not None:
+            _check_token_ids("prompt", self.prompt, MAX_PROMPT_TOKENS, SequenceABC)
+            if len(self.prompt) == 0:
+                raise ValueError("the prompt is empty: give at least one token")
+        if self.messages is not None:
+            _check_messages(self.messages)
+        if not _is_int(self.max_new_tokens):
+            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r:.40}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         for name in ("n", "beam_width"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r:.40}")
         if self.n > 1 and self.beam_width > 1:
             raise ValueError("choose parallel sampling (n) or beam search (beam_width), not both")
-        if not (math.isfinite(self.length_penalty) and abs(self.length_penalty) <= 100):
+        lp = self.length_penalty
+        if not (_is_real(lp) and math.isfinite(lp) and abs(lp) <= 100):
+            raise ValueError(f"length_penalty must be a number in [-100, 100], got {lp!r:.40}")
+        _check_stop_strings(self.stop_strings)
+        if self.stop_token_ids is not None:
+            _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        if not isinstance(self.sampling, SamplingSettings):
             raise ValueError(
-                f"length_penalty must be a number in [-100, 100], got {self.length_penalty!r}"
+                f"sampling must be SamplingSettings, got {type(self.sampling).__name__}"
             )
-        if isinstance(self.stop_strings, str):
-            raise ValueError("stop_strings must be a list of strings, not one string")
-        for stop in self.stop_strings:
-            if not isinstance(stop, str) or not stop:
-                raise ValueError(f"stop strings must be non-empty text, got {stop!r}")
         self.sampling.validate()
 
     @property
     def width(self) -> int:
         """Sequences the job runs at once (batch slots it takes)."""
         return max(self.n, self.beam_width)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not token 1
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_token_ids(name: str, ids: object, limit: int, kind: type = Collection) -> None:
+    """Token ids are integers >= 0 in a list (the vocabulary's end is checked at submit);
+    no coercion, so 1.7, "5" and True are refused rather than read as 1, 5 and 1."""
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, kind):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    if len(ids) > limit:
+        raise ValueError(f"{name} has {len(ids):,} token ids: at most {limit:,} are allowed")
+    for token in ids:
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"{name} must hold integer token ids >= 0, got {token!r:.40}")
+
+
+def _check_stop_strings(stops: object) -> None:
+    if isinstance(stops, str) or not isinstance(stops, Collection) or isinstance(stops, Mapping):
+        raise ValueError(f"stop_strings must be a list of strings, got {type(stops).__name__}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(
+            f"stop_strings has {len(stops):,} entries: at most {MAX_STOP_STRINGS} are allowed"
+        )
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"stop strings must be non-empty text, got {stop!r:.40}")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"a stop string has {len(stop):,} characters: at most "
+                f"{MAX_STOP_STRING_CHARS} are allowed"
+            )
+
+
+def _check_messages(messages: object) -> None:
+    """The conversation's shape and size; each message's fields are the chat template's to
+    check (`chat_template.render`), naming the message."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, SequenceABC):
+        raise ValueError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("the conversation is empty: give at least one message")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(
+            f"the conversation has {len(messages):,} messages: at most {MAX_MESSAGES:,} are allowed"
+        )
+    chars = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(
+                f"chat message {index} must be a dict with 'role' and 'content', "
+                f"got {type(message).__name__}"
+            )
+        chars += _text_chars(message)
+        if chars > MAX_MESSAGE_CHARS:
+            raise ValueError(
+                f"the conversation's text exceeds {MAX_MESSAGE_CHARS:,} characters "
+                f"(at message {index})"
+            )
+
+
+def _text_chars(value: object, depth: int = 0) -> int:
+    """Characters of text in a message (its strings, and those in its lists and dicts)."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 8:  # real messages are a few levels deep; deeper text (or a cycle) is the
+        return 0  # template's budget to bound
+    if isinstance(value, Mapping):
+        return sum(_text_chars(k, depth + 1) + _text_chars(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(_text_chars(v, depth + 1) for v in value)
+    return 0
 
 
 class JobState(StrEnum):

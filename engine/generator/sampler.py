@@ -24,6 +24,9 @@ _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 # Far beyond any useful logit shift (model logits are tens at most), far inside float32:
 # a larger value would only overflow to inf, and two infs make NaN.
 _MAX_ADJUSTMENT = 1e6
+# Settings are checked again on every step (`_check_batch`), on the engine thread: a bias list
+# as long as the vocabulary would cost every job in the batch. OpenAI's API allows 300.
+MAX_LOGIT_BIAS = 1024
 
 NOTHING_LEFT = "every token was excluded by logit_bias / penalties: nothing left to sample"
 
@@ -80,11 +83,19 @@ class SamplingSettings:
                     f"{name} must be a number in [-{_MAX_ADJUSTMENT:g}, {_MAX_ADJUSTMENT:g}], "
                     f"got {value!r}"
                 )
+        if not isinstance(self.logit_bias, tuple | list):
+            raise ValueError(
+                f"logit_bias must be a list of (token_id, bias) pairs, got {self.logit_bias!r:.40}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias):,} entries: at most {MAX_LOGIT_BIAS} are allowed"
+            )
         seen: set[int] = set()
         for entry in self.logit_bias:
             if not isinstance(entry, tuple) or len(entry) != 2:
                 raise ValueError(
-                    f"logit_bias entries must be (token_id, bias) pairs, got {entry!r}"
+                    f"logit_bias entries must be (token_id, bias) pairs, got {entry!r:.40}"
                 )
             token, bias = entry
             if not _is_int(token) or token < 0:

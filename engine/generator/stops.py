@@ -35,16 +35,36 @@ bytes, which decode to U+FFFD as ``Tokenizer.decode`` would give them. So in eve
     handler.text == cut(tokenizer.decode(ids without a final stop token))
 
 where ``cut`` truncates at the earliest stop-string match, if any.
+
+Cost. The handler runs on the engine thread for every sequence of every job, so its work per
+token must not grow with what a caller asks for: the stop strings are one Aho-Corasick automaton
+(``StopAutomaton``, built once per distinct list and shared), fed each new character once, so a
+token costs the same whether there is one stop string or ``MAX_STOP_STRINGS``. The limits on the
+list (checked at submit, ``JobRequest.validate``) bound the automaton's size and the held text.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from typing import Protocol
 
-__all__ = ["StopHandler", "StopReason", "StopStep"]
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "StopAutomaton",
+    "StopHandler",
+    "StopReason",
+    "StopStep",
+]
+
+# A request's stop strings, at most: far more than any chat format needs, few enough that the
+# automaton (at most MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS states) builds in milliseconds.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 128
 
 
 class StopReason(StrEnum):
@@ -113,6 +133,8 @@ class StopHandler:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.stop_strings: tuple[str, ...] = tuple(dict.fromkeys(stop_strings))
         self.max_new_tokens = max_new_tokens
+        self._automaton = StopAutomaton.for_stops(self.stop_strings)
+        self._state = 0  # the automaton's state after all the text so far
         self._decoder = tokenizer.incremental_decoder()
         self.text = ""
         self.token_ids: list[int] = []
@@ -129,11 +151,10 @@ class StopHandler:
             # the last allowed token: its text and everything held is released (unless cut)
             new_text = self._decoder.feed(token_id) + self._decoder.flush()
             return self._end([token_id], new_text, StopReason.MAX_NEW_TOKENS)
-        self.held += self._decoder.feed(token_id)
-        cut = self._earliest_match()
+        cut = self._hold(self._decoder.feed(token_id))
         if cut is not None:
             return self._stop_at(cut, [token_id])
-        keep = self._stop_prefix_len()
+        keep = self._automaton.depth[self._state]
         return self._emit(self._take(len(self.held) - keep), [token_id], None)
 
     def finish(self, reason: StopReason | str) -> StopStep:
@@ -149,8 +170,7 @@ class StopHandler:
 
     def _end(self, token_ids: list[int], new_text: str, reason: StopReason) -> StopStep:
         """Finish with ``reason`` unless the released text completes a stop string first."""
-        self.held += new_text
-        cut = self._earliest_match()
+        cut = self._hold(new_text)
         # Only dangling bytes flushed as U+FFFD can complete a stop string here. The text is cut
         # all the same; a stop token keeps its reason because it comes first in §7.
         if cut is not None and reason is not StopReason.STOP_TOKEN:
@@ -178,21 +198,84 @@ class StopHandler:
 
     # ---- stop-string search -----------------------------------------------------------------------
 
-    def _earliest_match(self) -> int | None:
-        """Start of the earliest stop-string match in the held text, or None.
+    def _hold(self, text: str) -> int | None:
+        """Append ``text`` to the held text; return the start of the earliest stop-string match
+        in the held text, or None.
 
-        Searching only the held text is enough: any match's start was a stop-string prefix at
-        the end of the output when it was produced, so it was held."""
-        starts = [i for stop in self.stop_strings if (i := self.held.find(stop)) >= 0]
-        return min(starts, default=None)
+        The held text is always the automaton state's string (the longest suffix of the output
+        that starts a stop string), so any match starts inside it: positions in the held text
+        are the automaton's positions."""
+        offset = len(self.held)
+        self.held += text
+        self._state, cut = self._automaton.advance(self._state, text, offset)
+        return cut
 
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the held text that is a proper prefix of a stop string."""
-        held = self.held
-        best = 0
-        for stop in self.stop_strings:
-            for n in range(min(len(stop) - 1, len(held)), best, -1):
-                if held.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+class StopAutomaton:
+    """Aho-Corasick automaton over a list of stop strings.
+
+    State 0 is the empty string; every other state is a prefix of some stop string. After
+    feeding a text the state is its longest suffix that is such a prefix (``depth`` is that
+    suffix's length, so the text a handler must hold back). ``fail[s]`` is the state of the
+    longest proper suffix of ``s``; ``longest[s]`` the length of the longest stop string that
+    ends the text at ``s`` (0: none). Each character costs one transition plus fail steps, and
+    fail steps never outnumber the characters fed (each one shortens the suffix by at least
+    one character, each character lengthens it by at most one): the work per token does not
+    depend on how many stop strings there are.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.children: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.longest = [0]
+        for stop in stops:
+            state = 0
+            for char in stop:
+                nxt = self.children[state].get(char)
+                if nxt is None:
+                    nxt = len(self.children)
+                    self.children[state][char] = nxt
+                    self.children.append({})
+                    self.depth.append(self.depth[state] + 1)
+                    self.longest.append(0)
+                state = nxt
+            self.longest[state] = len(stop)
+        self.longest_stop = max((len(s) for s in stops), default=0)
+        self.fail = [0] * len(self.children)
+        queue = deque(self.children[0].values())
+        while queue:  # breadth first: a state's fail link is shallower, so already final
+            state = queue.popleft()
+            for char, child in self.children[state].items():
+                queue.append(child)
+                if state:
+                    self.fail[child] = self._next(self.fail[state], char)
+                self.longest[child] = self.longest[child] or self.longest[self.fail[child]]
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def for_stops(stops: tuple[str, ...]) -> StopAutomaton:
+        """The automaton of ``stops``, shared by every sequence (and job) with the same list."""
+        return StopAutomaton(stops)
+
+    def _next(self, state: int, char: str) -> int:
+        while True:
+            nxt = self.children[state].get(char)
+            if nxt is not None:
+                return nxt
+            if not state:
+                return 0
+            state = self.fail[state]
+
+    def advance(self, state: int, text: str, offset: int = 0) -> tuple[int, int | None]:
+        """Feed ``text`` from ``state``; return the new state and the start of the earliest
+        stop-string match ending in ``text`` (counted from ``offset`` characters before the
+        text's first character), or None. After a match the state is no longer meaningful."""
+        earliest = None
+        for i, char in enumerate(text, offset + 1):
+            state = self._next(state, char)
+            length = self.longest[state]
+            if length and (earliest is None or i - length < earliest):
+                earliest = i - length
+            if earliest is not None and i - self.longest_stop >= earliest:
+                break  # a match ending later cannot start earlier
+        return state, earliest

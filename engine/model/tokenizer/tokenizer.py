@@ -15,7 +15,7 @@ from engine import paths
 from engine.model.tokenizer import chat_template, disk_cache, gguf_vocab
 from engine.model.tokenizer.decoder import IncrementalDecoder
 from engine.model.tokenizer.errors import TokenizerError
-from engine.model.tokenizer.special_tokens import eos_ids, finish_backend
+from engine.model.tokenizer.special_tokens import SpecialTextMarker, eos_ids, finish_backend
 
 
 class Tokenizer:
@@ -62,6 +62,7 @@ class Tokenizer:
             self.chat_templates = {"default": chat_template} if chat_template else {}
             self.chat_template = chat_template or None
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._special_text: SpecialTextMarker | None = None  # made on first need (encode_chat)
 
     IncrementalDecoder = IncrementalDecoder  # also reachable as Tokenizer.IncrementalDecoder
 
@@ -92,12 +93,16 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are always
-        recognised; ``add_special_tokens`` adds the model's BOS/EOS as the tokenizer declares."""
+        recognised; ``add_special_tokens`` adds the model's BOS/EOS as the tokenizer declares.
+        Raises ValueError for anything but valid text (a lone surrogate, say)."""
+        _check_text(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
     ) -> list[list[int]]:
+        for text in texts:
+            _check_text(text)
         return [
             e.ids
             for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
@@ -156,9 +161,20 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the rendered chat, as ``apply_chat_template(tokenize=True)``: the template
         supplies BOS itself, so no special tokens are added. Without a template the plain text is
-        encoded with the model's BOS/EOS."""
-        text = self.render_chat(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=not self.has_chat_template)
+        encoded with the model's BOS/EOS.
+
+        Unlike transformers, special-token text inside the messages (a user typing
+        ``<|im_start|>``) is encoded as plain text, so a message cannot open a turn of its own;
+        only the template's control tokens are special (``special_tokens.SpecialTextMarker``).
+        A chat without such text encodes exactly as transformers encodes it."""
+        if self._special_text is None:
+            self._special_text = SpecialTextMarker(self.backend)
+        marked, markers = self._special_text.mark(messages)
+        text = self.render_chat(marked, add_generation_prompt, **kwargs)
+        add_special_tokens = not self.has_chat_template
+        if not markers:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        return self._special_text.encode(text, markers, add_special_tokens)
 
     def _pick_template(self, tools: list | None) -> str | None:
         if tools and self.chat_templates.get("tool_use"):
@@ -304,6 +320,18 @@ def _folder_chat_templates(folder: Path, config: dict) -> str | dict[str, str] |
     for file in sorted(extra_dir.glob("*.jinja")):
         templates[file.stem] = file.read_text(encoding="utf-8")
     return templates
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise ValueError(f"can only encode text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text is not valid Unicode (a lone surrogate at character {exc.start}: "
+            "undecodable bytes, perhaps)"
+        ) from None
 
 
 def _read_json(path: Path) -> dict:

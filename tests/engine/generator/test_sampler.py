@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from engine.generator.sampler import (
+    MAX_LOGIT_BIAS,
     NothingToSample,
     Sampler,
     SamplingSettings,
@@ -249,6 +250,16 @@ def test_large_vocabulary_mixed_batch():
 def test_validate_rejects_out_of_range_values(change, message):
     with pytest.raises(ValueError, match=message):
         replace(SamplingSettings(), **change).validate()
+
+
+def test_logit_bias_list_is_bounded():
+    # issue 13, defect 9: the settings are checked on the engine thread at every step
+    long = tuple((t, -1.0) for t in range(MAX_LOGIT_BIAS + 1))
+    with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_BIAS} are allowed"):
+        SamplingSettings(logit_bias=long).validate()
+    SamplingSettings(logit_bias=long[:MAX_LOGIT_BIAS]).validate()
+    with pytest.raises(ValueError, match="list of \\(token_id, bias\\) pairs"):
+        SamplingSettings(logit_bias=5).validate()
 
 
 def test_validate_accepts_defaults_and_edges():

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.generator.stops import StopHandler, StopReason, StopStep
+from engine.generator.stops import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    StopAutomaton,
+    StopHandler,
+    StopReason,
+    StopStep,
+)
 from engine.model.tokenizer import IncrementalDecoder, Tokenizer
 
 EOS = 0
@@ -323,6 +330,58 @@ def test_property_several_stop_strings(chunked, stops):
         assert stop not in emitted
     found = any(s in text for s in stops)
     assert h.finished is (StopReason.STOP_STRING if found else StopReason.CANCELLED)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunked_text(),
+    st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=6), min_size=20, max_size=200),
+)
+def test_property_many_stop_strings(chunked, stops):
+    text, pieces = chunked
+    tok, ids = tokens(*pieces)
+    h = handler_for(tok, stops)
+    steps = run(h, ids, finish=StopReason.CANCELLED)
+    assert "".join(s.text for s in steps) == h.text == streamed_expected(pieces, stops)
+
+
+# --------------------------------------------------------------------------------------------------
+# the cost of a long stop list (issue 13, defect 9)
+# --------------------------------------------------------------------------------------------------
+
+
+class CountedReads(list):
+    def __init__(self, items):
+        super().__init__(items)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_matching_work_per_character_does_not_grow_with_the_stop_list(monkeypatch):
+    """The largest list allowed, built so that the text keeps a long prefix of one stop string
+    held while every other string almost matches: the quadratic search this replaced made
+    ~30,000 suffix comparisons per token here. The automaton reads one match length per
+    character, and follows fewer fail links than characters fed over the whole run."""
+    longest = MAX_STOP_STRING_CHARS
+    stops = [b * i + "c" * (longest - i) for b in "bd" for i in range(1, MAX_STOP_STRINGS // 2)]
+    stops.append("a" * longest)
+    assert len(stops) <= MAX_STOP_STRINGS
+    automaton = StopAutomaton.for_stops(tuple(stops))  # the one every handler of this list shares
+    fail, matches = CountedReads(automaton.fail), CountedReads(automaton.longest)
+    monkeypatch.setattr(automaton, "fail", fail)
+    monkeypatch.setattr(automaton, "longest", matches)
+    pieces = ["a" * 3, "b", "a" * 50, "dd", "ab", "a" * 200]
+    tok, ids = tokens(*pieces)
+    h = handler_for(tok, stops)
+    steps = run(h, ids)
+    fed = sum(map(len, pieces))
+    assert steps[-1].finished is StopReason.STOP_STRING
+    assert h.text == expected("".join(pieces), stops)
+    assert 0 < matches.reads <= fed
+    assert fail.reads <= fed
 
 
 # --------------------------------------------------------------------------------------------------
