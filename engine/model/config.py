@@ -12,6 +12,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.model.errors import ModelLoadError
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 # Hugging Face `model_type` / `architectures` names that map onto a Folio family.
@@ -29,13 +31,14 @@ _HF_MODEL_TYPES = {
 # layers and widths of tens of thousands), checked before anything is sized by them.
 MAX_LAYERS = 4096
 MAX_DIMENSION = 1 << 24
+MAX_CONTEXT = 1 << 31
 
 
-class InvalidConfig(ValueError):
+class InvalidConfig(ModelLoadError):
     """Configuration values no model can have (zero heads, widths that do not divide)."""
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(ModelLoadError):
     def __init__(self, arch: str, source: str):
         super().__init__(
             f"{source}: architecture {arch!r} is not supported; "
@@ -99,44 +102,77 @@ class ModelConfig:
             raise UnsupportedArchitecture(arch or "(none)", source)
 
         def bad(problem: str) -> InvalidConfig:
-            return InvalidConfig(f"{source}: {problem}; the file is damaged or not a supported model: download it again")
+            return InvalidConfig(
+                f"{source}: {problem}; the file is damaged or not a supported model: download it again"
+            )
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
             if value is None:
-                raise ValueError(f"{source}: GGUF metadata lacks {arch}.{key}")
+                raise InvalidConfig(f"{source}: GGUF metadata lacks {arch}.{key}")
             return value
 
         def count(key: str, default: Any = None, limit: int = MAX_DIMENSION) -> int:
             """A positive integer field, checked before anything is sized by it."""
             value = get(key, default)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= limit:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or not 0 < value <= limit
+            ):
                 raise bad(f"{arch}.{key} is {value!r}, not a whole number from 1 to {limit:,}")
             return int(value)
+
+        def real(key: str, default: Any = None, positive: bool = False) -> float:
+            """A finite number (above 0 where ``positive``): a NaN would load and then
+            poison every forward."""
+            value = get(key, default)
+            least = "above 0" if positive else "0 or more"
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or not (value > 0 if positive else value >= 0)
+            ):
+                raise bad(f"{arch}.{key} is {value!r}, not a finite number {least}")
+            return float(value)
 
         hidden = count("embedding_length")
         heads = count("attention.head_count")
         kv_heads = count("attention.head_count_kv", heads)
         if heads % kv_heads:
-            raise bad(f"{arch}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
-        head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0) or 0)
-        if head_dim == 0:
+            raise bad(
+                f"{arch}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}"
+            )
+        for key in ("attention.key_length", "rope.dimension_count"):
+            if f"{arch}.{key}" in meta:
+                head_dim = count(key)
+                break
+        else:
             if hidden % heads:
-                raise bad(f"{arch}.embedding_length {hidden} is not a multiple of head_count {heads}")
+                raise bad(
+                    f"{arch}.embedding_length {hidden} is not a multiple of head_count {heads}"
+                )
             head_dim = hidden // heads
-        if not 0 < head_dim <= MAX_DIMENSION:
-            raise bad(f"head size {head_dim} is out of range")
         tokens = meta.get("tokenizer.ggml.tokens")
-        if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        if tokens is not None and not (
+            isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)
+        ):
             raise bad("tokenizer.ggml.tokens is not an array of strings")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(tokens or ())
         # 0 (neither given) is left to the loader, which matches it to token_embd's rows.
-        if isinstance(vocab, bool) or not isinstance(vocab, numbers.Integral) or not 0 <= vocab <= MAX_DIMENSION:
+        if (
+            isinstance(vocab, bool)
+            or not isinstance(vocab, numbers.Integral)
+            or not 0 <= vocab <= MAX_DIMENSION
+        ):
             raise bad(f"the vocabulary size is {vocab!r}")
         if tokens is not None and len(tokens) > vocab:
-            raise bad(f"tokenizer.ggml.tokens has {len(tokens):,} tokens but the model only {vocab:,}")
+            raise bad(
+                f"tokenizer.ggml.tokens has {len(tokens):,} tokens but the model only {vocab:,}"
+            )
         # Bounded here, before a per-layer tuple is built; the loader then matches it to
         # the blk.N tensors in the file.
         layers = count("block_count", limit=MAX_LAYERS)
@@ -149,11 +185,14 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=real("attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=count("context_length", 4096, limit=MAX_CONTEXT),
+            rope_theta=real("rope.freq_base", 10000.0, positive=True),
         )
-        scaling = _gguf_rope_scaling(meta, arch)
+        scaling = None
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        if isinstance(kind, str) and kind == "linear" and f"{arch}.rope.scaling.factor" in meta:
+            scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", positive=True)}
         if arch in ("llama", "mistral"):
             return cls(**common, rope_scaling=scaling)
         if arch == "qwen2":
@@ -162,14 +201,22 @@ class ModelConfig:
             return cls(**common, qk_norm=True, rope_scaling=scaling)
         # gemma3
         # llama.cpp's defaults for Gemma 3: every 6th layer global; scale 1/sqrt(head_dim).
-        window = meta.get("gemma3.attention.sliding_window")
+        window = (
+            count("attention.sliding_window") if "gemma3.attention.sliding_window" in meta else None
+        )
         pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
         if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):
             if len(pattern) != layers:
-                raise bad(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+                raise bad(
+                    f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers"
+                )
             sliding = tuple("sliding" if bool(p) else "full" for p in pattern)
         else:
-            if isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern <= 0:
+            if (
+                isinstance(pattern, bool)
+                or not isinstance(pattern, numbers.Integral)
+                or pattern <= 0
+            ):
                 raise bad(f"gemma3.attention.sliding_window_pattern is {pattern!r}")
             sliding = tuple("sliding" if (i + 1) % int(pattern) else "full" for i in range(layers))
         return cls(
@@ -180,7 +227,7 @@ class ModelConfig:
             norm_offset=0.0,
             embed_scale=math.sqrt(hidden),
             sandwich_norms=True,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
             layer_types=sliding,
             rope_local_theta=10000.0,
             rope_scaling=scaling,
@@ -219,20 +266,26 @@ class ModelConfig:
             return cls(
                 **common,
                 rope_theta=rope["full"]["rope_theta"],
-                rope_scaling=rope["full"] if rope["full"].get("rope_type", "default") != "default" else None,
+                rope_scaling=rope["full"]
+                if rope["full"].get("rope_type", "default") != "default"
+                else None,
                 attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
                 qk_norm=arch == "qwen3",
                 sliding_window=window,
                 layer_types=tuple("sliding" if window else "full" for _ in range(layers)),
             )
         types = cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) else "full_attention"
+            "sliding_attention"
+            if (i + 1) % cfg.get("sliding_window_pattern", 6)
+            else "full_attention"
             for i in range(layers)
         ]
         return cls(
             **common,
             rope_theta=rope["full"]["rope_theta"],
-            rope_scaling=rope["full"] if rope["full"].get("rope_type", "default") != "default" else None,
+            rope_scaling=rope["full"]
+            if rope["full"].get("rope_type", "default") != "default"
+            else None,
             rope_local_theta=rope["sliding"]["rope_theta"],
             qk_norm=True,
             hidden_act="gelu_tanh",
@@ -261,16 +314,11 @@ def _hf_rope(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
         full = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
         full.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         sliding = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
-    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0 if "rope_local_base_freq" in cfg else 10000.0))
+    full.setdefault(
+        "rope_theta",
+        cfg.get("rope_theta", 1_000_000.0 if "rope_local_base_freq" in cfg else 10000.0),
+    )
     sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
     if "type" in full and "rope_type" not in full:
         full["rope_type"] = full["type"]
     return {"full": full, "sliding": sliding}
-
-
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if kind == "linear" and factor:
-        return {"rope_type": "linear", "factor": float(factor)}
-    return None

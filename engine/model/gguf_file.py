@@ -16,6 +16,7 @@ file is truncated.
 
 from __future__ import annotations
 
+import codecs
 import math
 import mmap
 import struct
@@ -34,6 +35,16 @@ DEFAULT_ALIGNMENT = 32
 MIN_HEADER_BYTES = 24
 # ggml's GGML_MAX_DIMS (the gguf package does not export it): a tensor has at most 4 dims.
 GGML_MAX_DIMS = 4
+# The GGUF spec's limits on names: a key is at most 65,535 bytes, a tensor name shorter than
+# ggml's GGML_MAX_NAME of 64 (its NUL included). llama.cpp refuses longer ones.
+MAX_KEY_BYTES = (1 << 16) - 1
+MAX_TENSOR_NAME_BYTES = 63
+# A string up to this long is decoded leniently (a vocabulary may hold a token that is a
+# piece of a UTF-8 sequence); a longer one must be UTF-8. Decoding replaces each bad byte
+# with U+FFFD, which widens the whole string to 2 or 4 bytes a character: a length gone
+# wrong that takes the rest of the file as one string would cost several times its size.
+MAX_LENIENT_STRING_BYTES = 1 << 20
+_CHECK_PIECE_BYTES = 1 << 16
 
 SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -139,12 +150,20 @@ class _HeaderReader:
         self.pos += size
         return value
 
-    def string(self) -> str:
+    def string(self, limit: int | None = None, what: str = "a string") -> str:
+        """A string; ``limit``: the most bytes it may have (a ValueError beyond)."""
         length = self.u64()
+        if limit is not None and length > limit:
+            raise ValueError(
+                f"{what} of {length:,} bytes at byte {self.pos - 8:,}; at most {limit:,} are allowed"
+            )
         self._need(length)  # before slicing: a bogus length must not copy the rest of the file
-        raw = self.buf[self.pos : self.pos + length]
+        if length > MAX_LENIENT_STRING_BYTES:
+            text = _decode_long(self.buf, self.pos, length)
+        else:
+            text = self.buf[self.pos : self.pos + length].decode("utf-8", errors="replace")
         self.pos += length
-        return raw.decode("utf-8", errors="replace")
+        return text
 
     def value(self, vtype: int) -> Any:
         vtype = GGUFValueType(vtype)
@@ -180,10 +199,30 @@ class _HeaderReader:
             pos += 8
             if pos + length > size:
                 raise _OutOfBytes
-            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+            if length > MAX_LENIENT_STRING_BYTES:
+                out.append(_decode_long(buf, pos, length))
+            else:
+                out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
             pos += length
         self.pos = pos
         return out
+
+
+def _decode_long(buf: Buffer, start: int, length: int) -> str:
+    view = memoryview(buf)[start : start + length]  # no copy of the bytes before decoding
+    # Checked a piece at a time first: a failed decode holds a copy of all it was given, and
+    # a whole-string decode sizes its output by the input before it finds the first bad byte.
+    check = codecs.getincrementaldecoder("utf-8")()
+    for at in range(0, length, _CHECK_PIECE_BYTES):
+        try:
+            check.decode(
+                view[at : at + _CHECK_PIECE_BYTES], final=at + _CHECK_PIECE_BYTES >= length
+            )
+        except UnicodeDecodeError:
+            break
+    else:
+        return str(view, "utf-8")
+    raise ValueError(f"a string of {length:,} bytes at byte {start - 8:,} is not UTF-8 text")
 
 
 def read_header(buf: Buffer, source: str) -> GGUFHeader:
@@ -198,7 +237,9 @@ def read_header(buf: Buffer, source: str) -> GGUFHeader:
         return GGUFError(f"{source}: {problem}")
 
     def damaged(what: str) -> GGUFError:
-        return fail(f"the header is damaged ({what}); the file is damaged or not a supported model: download it again")
+        return fail(
+            f"the header is damaged ({what}); the file is damaged or not a supported model: download it again"
+        )
 
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise fail("not a GGUF file (bad magic bytes); choose a .gguf model file")
@@ -214,17 +255,27 @@ def read_header(buf: Buffer, source: str) -> GGUFHeader:
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
             raise damaged(f"{n_tensors:,} tensors and {n_kv:,} keys")
         for _ in range(n_kv):
-            key = r.string()
+            key = r.string(MAX_KEY_BYTES, "a key")
+            if key in metadata:
+                raise damaged(f"key {key!r} appears twice")
             metadata[key] = r.value(r.u32())
         directory = []
+        names = set()
         for _ in range(n_tensors):
-            name = r.string()
+            name = r.string(MAX_TENSOR_NAME_BYTES, "a tensor name")
+            if name in names:
+                raise damaged(f"tensor {name!r} appears twice")
+            names.add(name)
             n_dims = r.u32()
             if n_dims > GGML_MAX_DIMS:
-                raise damaged(f"tensor {name!r} has {n_dims:,} dimensions; GGUF allows at most {GGML_MAX_DIMS}")
+                raise damaged(
+                    f"tensor {name!r} has {n_dims:,} dimensions; GGUF allows at most {GGML_MAX_DIMS}"
+                )
             dims = [r.u64() for _ in range(n_dims)]
             if 0 in dims:
-                raise damaged(f"tensor {name!r} has a dimension of 0 in shape {tuple(reversed(dims))}")
+                raise damaged(
+                    f"tensor {name!r} has a dimension of 0 in shape {tuple(reversed(dims))}"
+                )
             qtype = r.u32()
             directory.append((name, tuple(reversed(dims)), qtype, r.u64()))
     except _OutOfBytes:
@@ -272,10 +323,13 @@ class GGUFFile:
                 )
             for info in header.tensors.values():
                 if info.offset + info.nbytes > self.file_size:
+                    # A bogus shape can make a size of any magnitude: the shape and type
+                    # are named so the reader can tell a cut file from a damaged header.
                     self._fail(
-                        f"the file is truncated: tensor {info.name!r} ends at byte "
-                        f"{info.offset + info.nbytes:,} but the file has only "
-                        f"{self.file_size:,} bytes; download it again"
+                        f"tensor {info.name!r} (shape {info.shape}, {info.type_name}: "
+                        f"{info.nbytes:,} bytes) ends at byte {info.offset + info.nbytes:,} "
+                        f"but the file has only {self.file_size:,} bytes; the file is truncated "
+                        "or its header damaged: download it again"
                     )
         except BaseException:
             self._file.close()

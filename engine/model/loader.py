@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from engine.model.config import ModelConfig, UnsupportedArchitecture
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFError, GGUFFile
 from engine.model.transformer import Concat, Layer, Linear, Transformer
 from kernels.bf16 import packed_bf16_available, packed_bf16_supported
-from kernels.dequant import SUPPORTED_TYPES, dequantize
+from kernels.dequant import SUPPORTED_TYPES, block_geometry, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
 
@@ -36,10 +37,6 @@ BATCHED_WEIGHTS = ("auto", "on", "off")
 BATCHED_AUTO_MAX_BYTES = 1 << 30
 
 Progress = Callable[[float, str], None]
-
-
-class ModelLoadError(ValueError):
-    """The model cannot be loaded; the message names the file and what to do."""
 
 
 @dataclass
@@ -144,11 +141,19 @@ def _looks_like_gguf(path: Path) -> bool:
 
 
 def _load_tokenizer(loaded: LoadedModel):
-    from engine.model.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer, TokenizerError
 
-    if loaded.format == "gguf":
-        return Tokenizer.from_gguf(loaded.path)
-    return Tokenizer.from_folder(loaded.path)
+    try:
+        if loaded.format == "gguf":
+            return Tokenizer.from_gguf(loaded.path)
+        return Tokenizer.from_folder(loaded.path)
+    except TokenizerError as exc:
+        raise ModelLoadError(_naming(loaded.path, str(exc))) from exc
+
+
+def _naming(path: Path, message: str) -> str:
+    """``message``, led by the path of the model unless it names it (or a file in it) already."""
+    return message if message.startswith(str(path)) else f"{path}: {message}"
 
 
 # -- GGUF --------------------------------------------------------------------------------
@@ -165,11 +170,10 @@ def _load_gguf(
         config = ModelConfig.from_gguf_metadata(gf.metadata, str(path))
     except KeyError as exc:
         raise ModelLoadError(f"{path}: GGUF metadata lacks {exc}") from exc
-    except UnsupportedArchitecture:
+    except ModelLoadError:
         raise
-    except (TypeError, ValueError) as exc:  # InvalidConfig, or a value of the wrong kind
-        message = str(exc) if str(exc).startswith(str(path)) else f"{path}: GGUF metadata is damaged ({exc})"
-        raise ModelLoadError(message) from exc
+    except (TypeError, ValueError) as exc:  # a value of the wrong kind
+        raise ModelLoadError(f"{path}: GGUF metadata is damaged ({exc})") from exc
     for info in gf.tensors.values():
         if info.qtype not in _SUPPORTED_IDS:
             raise ModelLoadError(
@@ -278,7 +282,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def _check_gguf_shapes(gf: GGUFFile, config: ModelConfig, path: Path) -> None:
-    """The header's sizes agree with the tensors in the file, before any weight is read."""
+    """The header's sizes agree with every tensor the loader reads, and each tensor's rows
+    are whole blocks of its type, before any weight is read."""
 
     def damaged(problem: str) -> ModelLoadError:
         return ModelLoadError(
@@ -291,27 +296,48 @@ def _check_gguf_shapes(gf: GGUFFile, config: ModelConfig, path: Path) -> None:
             f"block_count is {config.num_layers:,} but the file has tensors for "
             f"{len(blocks):,} layer(s) numbered {min(blocks, default=0)} to {max(blocks, default=-1)}"
         )
-    h, q, kv, ff = (
-        config.hidden_size,
-        config.num_heads * config.head_dim,
-        config.num_kv_heads * config.head_dim,
-        config.intermediate_size,
-    )
-    expected = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
-    for i in range(config.num_layers):
-        b = f"blk.{i}."
-        expected |= {
-            b + "attn_q.weight": (q, h), b + "attn_k.weight": (kv, h), b + "attn_v.weight": (kv, h),
-            b + "attn_output.weight": (h, q), b + "ffn_gate.weight": (ff, h),
-            b + "ffn_up.weight": (ff, h), b + "ffn_down.weight": (h, ff),
-        }  # fmt: skip
-    for name, shape in expected.items():
+    for name, shape in _expected_gguf_shapes(config).items():
         info = gf.tensors.get(name)
         if info is not None and info.shape != shape:
-            raise damaged(f"tensor {name!r} has shape {info.shape}, but the header's sizes give {shape}")
+            raise damaged(
+                f"tensor {name!r} has shape {info.shape}, but the header's sizes give {shape}"
+            )
+    for info in gf.tensors.values():
+        block, _ = block_geometry(info.qtype)  # every type was checked to be supported
+        if info.shape[-1] % block:
+            raise damaged(
+                f"tensor {info.name!r} has rows of {info.shape[-1]:,} values, "
+                f"not whole blocks of {block} as {info.type_name} stores them"
+            )
     tokens = gf.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != config.vocab_size:
         raise damaged(f"{len(tokens):,} tokens for an embedding of {config.vocab_size:,} rows")
+
+
+def _expected_gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every GGUF tensor the loader may read, from the header's sizes."""
+    h, d, ff = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    vocab = config.vocab_size
+    expected = {
+        "token_embd.weight": (vocab, h), "output.weight": (vocab, h), "output.bias": (vocab,),
+        "output_norm.weight": (h,), "rope_freqs.weight": (len(range(0, d, 2)),),
+    }  # fmt: skip
+    weights = {
+        "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+        "ffn_gate": (ff, h), "ffn_up": (ff, h), "ffn_down": (h, ff),
+    }  # fmt: skip
+    norms = {
+        "attn_norm": (h,), "ffn_norm": (h,), "post_attention_norm": (h,), "post_ffw_norm": (h,),
+        "attn_q_norm": (d,), "attn_k_norm": (d,),
+    }  # fmt: skip
+    for i in range(config.num_layers):
+        for role, shape in weights.items():
+            expected[f"blk.{i}.{role}.weight"] = shape
+            expected[f"blk.{i}.{role}.bias"] = shape[:1]
+        for role, shape in norms.items():
+            expected[f"blk.{i}.{role}.weight"] = shape
+    return expected
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ def test_unsupported_tensor_type(tmp_path):
     w.add_head_count(4)
     w.add_layer_norm_rms_eps(1e-5)
     block, size = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
-    w.add_tensor("token_embd.weight", np.zeros((4, 256 // block * size), dtype=np.uint8), raw_dtype=Q.IQ2_XXS)
+    w.add_tensor(
+        "token_embd.weight", np.zeros((4, 256 // block * size), dtype=np.uint8), raw_dtype=Q.IQ2_XXS
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -90,6 +92,8 @@ def test_unknown_architecture(tmp_path):
     with pytest.raises(UnsupportedArchitecture) as err:
         load_model(path, load_tokenizer=False)
     assert "rwkv6" in str(err.value) and "llama" in str(err.value) and "gemma3" in str(err.value)
+    # the one error type callers catch for a model that cannot be loaded
+    assert isinstance(err.value, ModelLoadError) and str(path) in str(err.value)
 
 
 def test_folder_without_config(tmp_path):
@@ -144,7 +148,9 @@ def test_reader_matches_gguf_package(tiny_gguf):
         info = ours.tensors[t.name]
         assert info.qtype == int(t.tensor_type)
         assert info.shape == tuple(int(d) for d in reversed(t.shape))
-        assert np.array_equal(ours.tensor_bytes(t.name), np.asarray(t.data).reshape(-1).view(np.uint8))
+        assert np.array_equal(
+            ours.tensor_bytes(t.name), np.asarray(t.data).reshape(-1).view(np.uint8)
+        )
     for key, field in ref.fields.items():
         if key.startswith("GGUF."):
             continue
@@ -194,9 +200,18 @@ def _kv(key: str, value) -> bytes:
     return _str(key) + struct.pack("<I", vt) + packed
 
 
-def _raw_gguf(path, meta=None, dims=None, alignment=32, tensor_dims=None):
+def _raw_gguf(
+    path,
+    meta=None,
+    dims=None,
+    alignment=32,
+    tensor_dims=None,
+    extra_tensors=None,
+    tensor_types=None,
+):
     """A loadable 1-layer llama GGUF (f32 weights); ``meta`` overrides keys (None drops one),
-    ``tensor_dims`` overrides one tensor's dims as stored (innermost first)."""
+    ``tensor_dims`` overrides one tensor's dims as stored (innermost first), ``extra_tensors``
+    adds f32 tensors by shape and ``tensor_types`` overrides type ids (the bytes stay f32)."""
     h, ff, vocab = 64, 128, 8
     kv = {
         "general.architecture": "llama", "general.alignment": alignment,
@@ -216,14 +231,23 @@ def _raw_gguf(path, meta=None, dims=None, alignment=32, tensor_dims=None):
         "blk.0.attn_output.weight": (h, h), "blk.0.ffn_norm.weight": (h,),
         "blk.0.ffn_gate.weight": (ff, h), "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff),
     }  # fmt: skip
+    shapes |= extra_tensors or {}
     infos, data, rng = b"", b"", np.random.default_rng(0)
     for name, shape in shapes.items():
         stored = (tensor_dims or {}).get(name, tuple(reversed(shape)))
-        infos += _str(name) + struct.pack("<I", len(stored)) + b"".join(struct.pack("<Q", d) for d in stored)
-        infos += struct.pack("<IQ", 0, len(data))
+        infos += (
+            _str(name)
+            + struct.pack("<I", len(stored))
+            + b"".join(struct.pack("<Q", d) for d in stored)
+        )
+        infos += struct.pack("<IQ", (tensor_types or {}).get(name, 0), len(data))
         data += rng.normal(0, 0.02, size=shape).astype(np.float32).tobytes()
         data += bytes(-len(data) % 32)
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(shapes), len(kv)) + b"".join(_kv(k, v) for k, v in kv.items())
+    head = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, len(shapes), len(kv))
+        + b"".join(_kv(k, v) for k, v in kv.items())
+    )
     head += infos
     head += bytes(-len(head) % 32)
     path.write_bytes(head + data)
@@ -272,6 +296,14 @@ def test_raw_gguf_loads(tmp_path):
         ({"tokenizer.ggml.tokens": [f"t{i}" for i in range(5)]}, "token_embd"),
         ({"llama.vocab_size": 7}, "tokens"),
         ({"llama.attention.head_count": "four"}, "head_count"),
+        # found by the fuzz suite (test_gguf_fuzz.py): values that loaded and then poisoned
+        # every forward, or failed without naming the key
+        ({"llama.attention.layer_norm_rms_epsilon": float("nan")}, "layer_norm_rms_epsilon"),
+        ({"llama.attention.layer_norm_rms_epsilon": "small"}, "layer_norm_rms_epsilon"),
+        ({"llama.rope.freq_base": 0.0}, "freq_base"),
+        ({"llama.rope.freq_base": float("inf")}, "freq_base"),
+        ({"llama.context_length": 0}, "context_length"),
+        ({"llama.attention.key_length": 0}, "key_length"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else None,
 )
@@ -293,7 +325,10 @@ def test_damaged_alignment_lists_as_a_problem(tmp_path):
 
 @pytest.mark.parametrize(
     "dims, problem",
-    [({"blk.0.attn_q.weight": (64, 0)}, "dimension of 0"), ({"output_norm.weight": (1,) * 9}, "dimensions")],
+    [
+        ({"blk.0.attn_q.weight": (64, 0)}, "dimension of 0"),
+        ({"output_norm.weight": (1,) * 9}, "dimensions"),
+    ],
 )
 def test_damaged_tensor_dims(tmp_path, dims, problem):
     msg = _load_error(_raw_gguf(tmp_path / "bad.gguf", tensor_dims=dims))
@@ -333,6 +368,122 @@ def test_bogus_string_length_is_refused_without_allocating(tmp_path):
 
 def test_bogus_n_dims_is_refused_without_allocating(tmp_path):
     name = _str("blk.0.attn_q.weight")
-    path = _patched(tmp_path, "ndims.gguf", name + struct.pack("<I", 2), name + struct.pack("<I", 2**32 - 1))
+    path = _patched(
+        tmp_path, "ndims.gguf", name + struct.pack("<I", 2), name + struct.pack("<I", 2**32 - 1)
+    )
     assert "dimensions" in _load_error(path)
     assert _peak_bytes(lambda: GGUFFile(path)) < 2 * path.stat().st_size
+
+
+# -- found by the fuzz suite (test_gguf_fuzz.py) ------------------------------------------
+
+
+def test_a_tensor_too_large_for_the_file_names_the_file_shape_and_type(tmp_path):
+    """Issue 13, item 13: the tensor-size error names the file, and says what the size came from."""
+    dims = {"blk.0.ffn_down.weight": (2**62, 2**62)}
+    msg = _load_error(_raw_gguf(tmp_path / "huge.gguf", tensor_dims=dims))
+    assert "blk.0.ffn_down.weight" in msg and str((2**62, 2**62)) in msg and "F32" in msg, msg
+
+
+def test_rows_that_are_not_whole_blocks_name_the_file(tmp_path):
+    """A 64-wide norm claimed as Q4_K (blocks of 256) reached kernels.dequant, whose
+    ValueError named neither the file nor the tensor."""
+    path = _raw_gguf(tmp_path / "blocks.gguf", tensor_types={"output_norm.weight": int(Q.Q4_K)})
+    msg = _load_error(path)
+    assert "output_norm.weight" in msg and "blocks of 256" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "extra, name",
+    [
+        ({"output.weight": (4, 64)}, "output.weight"),
+        ({"rope_freqs.weight": (64,)}, "rope_freqs.weight"),
+        ({"blk.0.attn_q.bias": (32,)}, "blk.0.attn_q.bias"),
+    ],
+)
+def test_every_tensor_read_is_checked_against_the_header(tmp_path, extra, name):
+    """The output head, rope factors and biases were read at whatever shape the file gave."""
+    msg = _load_error(_raw_gguf(tmp_path / "shape.gguf", extra_tensors=extra))
+    assert name in msg and "header's sizes" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "old, new, problem",
+    [
+        (_str("llama.block_count"), _str("general.alignment"), "'general.alignment' appears twice"),
+        (
+            _str("blk.0.ffn_up.weight"),
+            _str("blk.0.attn_q.weight"),
+            "'blk.0.attn_q.weight' appears twice",
+        ),
+    ],
+    ids=["key", "tensor"],
+)
+def test_duplicate_names_are_refused(tmp_path, old, new, problem):
+    """A second key or tensor of one name silently replaced the first."""
+    assert problem in _load_error(_patched(tmp_path, "twice.gguf", old, new))
+
+
+def test_names_longer_than_the_spec_allows_are_refused(tmp_path):
+    """GGUF keys are at most 65,535 bytes and tensor names shorter than 64 (llama.cpp refuses
+    longer); a length gone wrong is refused before the name is decoded."""
+    msg = _load_error(_raw_gguf(tmp_path / "key.gguf", {"x" * 70_000: 1}))
+    assert "a key of 70,000 bytes" in msg, msg
+    msg = _load_error(_raw_gguf(tmp_path / "name.gguf", extra_tensors={"blk.0." + "x" * 60: (4,)}))
+    assert "a tensor name of 66 bytes" in msg, msg
+
+
+def _one_string_header(text: bytes) -> bytes:
+    value = struct.pack("<I", gguf.GGUFValueType.STRING) + struct.pack("<Q", len(text)) + text
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _str("general.license") + value
+
+
+def test_a_long_string_that_is_not_utf8_is_refused_within_bounds():
+    """A string length gone wrong swallowed the rest of the file as one string, which
+    decoding with replacement characters made up to 4x its size."""
+    garbage = np.random.default_rng(0).integers(0, 256, size=2 << 20, dtype=np.uint8).tobytes()
+    buf = _one_string_header(garbage)
+    with pytest.raises(GGUFError, match="not UTF-8 text"):
+        read_header(buf, "garbage")
+    assert _peak_bytes(lambda: read_header(buf, "garbage")) < 1.5 * len(buf)
+    text = "é" * (1 << 20)
+    assert (
+        read_header(_one_string_header(text.encode()), "text").metadata["general.license"] == text
+    )
+    # a short string stays lenient: a vocabulary may hold a piece of a UTF-8 sequence
+    assert (
+        read_header(_one_string_header(b"a\xe2\x96"), "short").metadata["general.license"]
+        == "a\ufffd"
+    )
+
+
+_TOKENIZER = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": []}
+
+
+@pytest.mark.parametrize(
+    "meta, problem",
+    [
+        ({"tokenizer.ggml.model": None}, "no tokenizer metadata"),
+        ({"tokenizer.ggml.merges": None}, "cannot build its tokenizer"),
+        ({"tokenizer.ggml.merges": ["a b c"]}, "not a pair of tokens"),
+        # tokenizers' BPE panicked (a BaseException) on a merge whose result is not a token
+        ({"tokenizer.ggml.merges": ["t0 t1"]}, "not a pair of tokens"),
+        ({"tokenizer.ggml.bos_token_id": "one"}, "bos_token_id is 'one', not a token id"),
+        ({"tokenizer.chat_template": 5}, "chat_template is not text"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, dict) else None,
+)
+def test_tokenizer_failures_are_load_errors_naming_the_file(tmp_path, monkeypatch, meta, problem):
+    """The tokenizer's errors left load_model as TokenizerError (naming only the file's name),
+    KeyError, TypeError or a Rust panic."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _raw_gguf(tmp_path / "tok.gguf", {**_TOKENIZER, **meta})
+    with pytest.raises(ModelLoadError, match=problem) as err:
+        load_model(path)
+    assert str(path) in str(err.value)
+
+
+def test_raw_gguf_with_a_tokenizer_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    """The file the tokenizer cases damage loads, tokenizer included."""
+    assert load_model(_raw_gguf(tmp_path / "ok.gguf", _TOKENIZER)).tokenizer.token_to_id("t3") == 3

@@ -813,3 +813,30 @@ def test_smollm2_message_cannot_forge_a_system_turn(smol):
     ids = smol.encode_chat([{"role": "user", "content": FORGED}])
     assert ids.count(start) == 3  # the default system turn, the user's, the reply's
     assert _holds(ids, _plain_ids(smol, FORGED))
+
+
+def test_a_loop_printing_nothing_does_not_pile_up_output_chunks():
+    # Empty chunks cost no characters, so the output limit never saw them: a template
+    # printing '' in nested loops kept one list slot per step (150 MiB at the limits).
+    import tracemalloc
+
+    from engine.model.tokenizer import chat_template
+
+    template = (
+        "{% for i in range(600) %}{% for j in range(500) %}{{ '' }}{% endfor %}{% endfor %}ok"
+    )
+    tracemalloc.start()
+    try:
+        text = chat_template.render(
+            template,
+            [{"role": "user", "content": "hi"}],
+            add_generation_prompt=True,
+            tools=None,
+            documents=None,
+            variables={},
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert text == "ok"
+    assert peak < 1_000_000, f"{peak} bytes held while rendering 300,000 empty chunks"

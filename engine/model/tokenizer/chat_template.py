@@ -106,7 +106,10 @@ def render(
             total += len(chunk)
             budget.check_size(total, "the rendered chat")
             budget.step()
-            chunks.append(chunk)
+            # An empty chunk costs a list slot but no characters: a loop printing '' would
+            # grow the list to MAX_STEPS entries (150 MiB) inside the size limit.
+            if chunk:
+                chunks.append(chunk)
         return "".join(chunks)
     except ChatTemplateError:
         raise

@@ -71,8 +71,16 @@ def convert_vocab(
     """The backend tokenizer a GGUF file's metadata describes, with its BOS/EOS post-processor,
     and the settings ``Tokenizer`` is built from (the ``info`` the disk cache stores)."""
     architecture, tokenizer_dict, config = _gguf_tokenizer_dict(meta, path)
-    backend, converter = _convert_gguf_tokenizer(architecture, tokenizer_dict, path)
-    finish_backend(backend, config)
+    try:
+        backend, converter = _convert_gguf_tokenizer(architecture, tokenizer_dict, path)
+        finish_backend(backend, config)
+    except TokenizerError:
+        raise
+    except BaseException as exc:  # the converter and `tokenizers` run on the file's values
+        if not _conversion_failure(exc):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TokenizerError(f"{path}: cannot build its tokenizer: {message}") from exc
 
     tokens = tokenizer_dict["tokens"]
     token_types = tokenizer_dict.get("token_type") or [None] * len(tokens)
@@ -83,8 +91,8 @@ def convert_vocab(
     )
     primary = [
         tokenizer_dict.get("eos_token_id"),
-        meta.get("tokenizer.ggml.eot_token_id"),
-        meta.get("tokenizer.ggml.eom_token_id"),
+        _token_id(meta, "tokenizer.ggml.eot_token_id", path),
+        _token_id(meta, "tokenizer.ggml.eom_token_id", path),
     ]
     chat_templates = {"default": config["chat_template"]} if config.get("chat_template") else {}
     prefix = "tokenizer.chat_template."
@@ -136,24 +144,28 @@ def _gguf_tokenizer_dict(meta: Mapping[str, Any], path: Path) -> tuple[str, dict
     Mirrors ``transformers.integrations.gguf.get_gguf_tokenizer``.
     """
     tokenizer_type = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = _plain(meta.get("tokenizer.ggml.tokens"))
     if tokenizer_type is None or not tokens:
         raise TokenizerError(
-            f"{path.name}: the GGUF file has no tokenizer metadata "
+            f"{path}: the GGUF file has no tokenizer metadata "
             "(tokenizer.ggml.model / tokenizer.ggml.tokens missing); cannot build a tokenizer"
         )
-    architecture = meta.get("general.architecture") or ""
+    architecture = meta.get("general.architecture")
+    architecture = architecture if isinstance(architecture, str) else ""
     tokenizer_dict = {
         name: _plain(meta[f"tokenizer.{key}"])
         for key, name in _GGUF_TOKENIZER_KEYS.items()
         if f"tokenizer.{key}" in meta
     }
+    _check_vocabulary(tokenizer_dict, path)
     config: dict[str, Any] = {}
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
+        if not isinstance(config["chat_template"], str):
+            raise _damaged(path, "tokenizer.chat_template", "is not text")
     for key in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{key}" in meta:
-            config[key] = bool(meta[f"tokenizer.ggml.{key}"])
+            config[key] = bool(_plain(meta[f"tokenizer.ggml.{key}"]))
     if tokenizer_type == "llama":
         # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise
         config.setdefault("add_bos_token", True)
@@ -174,6 +186,66 @@ def _gguf_tokenizer_dict(meta: Mapping[str, Any], path: Path) -> tuple[str, dict
     return architecture, tokenizer_dict, config
 
 
+def _conversion_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a conversion failing on the file's values, not an interrupt. pyo3
+    reports a panic in tokenizers' Rust as PanicException, a BaseException that cannot be
+    imported before the first panic, so it is told by name."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def _check_vocabulary(tokenizer_dict: dict, path: Path) -> None:
+    """The kinds of values the converters assume, so that a damaged file is refused naming
+    the key rather than failing somewhere inside a converter."""
+
+    def numbers_only(values: Any) -> bool:
+        return isinstance(values, list) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+        )
+
+    key_of = {name: f"tokenizer.{key}" for key, name in _GGUF_TOKENIZER_KEYS.items()}
+    for name in ("tokenizer_type", "pre_tokenizer_type"):
+        if name in tokenizer_dict and not isinstance(tokenizer_dict[name], str):
+            raise _damaged(path, key_of[name], "is not text")
+    tokens = tokenizer_dict["tokens"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise _damaged(path, key_of["tokens"], "is not an array of strings")
+    merges = tokenizer_dict.get("merges")
+    if merges is not None:
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+            raise _damaged(path, key_of["merges"], "is not an array of strings")
+        # tokenizers' BPE panics on a merge whose result is not a token
+        vocabulary = set(tokens)
+        for merge in merges:
+            pair = merge.split(" ")
+            if len(pair) != 2 or not {*pair, "".join(pair)} <= vocabulary:
+                raise _damaged(
+                    path,
+                    key_of["merges"],
+                    f"holds {merge!r:.60}, not a pair of tokens that makes a token",
+                )
+    for name in ("scores", "token_type"):
+        if name in tokenizer_dict and not numbers_only(tokenizer_dict[name]):
+            raise _damaged(path, key_of[name], "is not an array of numbers")
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        if name in tokenizer_dict:
+            _token_id(tokenizer_dict, name, path, key_of[name])
+
+
+def _token_id(
+    values: Mapping[str, Any], key: str, path: Path, name: str | None = None
+) -> int | None:
+    """``values[key]`` if it is an integer: an id outside the vocabulary (llama.cpp writes -1
+    for none) is left to the caller, which ignores it."""
+    value = values.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _damaged(path, name or key, f"is {value!r:.40}, not a token id")
+    return value
+
+
+def _damaged(path: Path, key: str, problem: str) -> TokenizerError:
+    return TokenizerError(f"{path}: {key} {problem}; the file is damaged: download it again")
+
+
 def _convert_gguf_tokenizer(
     architecture: str, tokenizer_dict: dict, path: Path
 ) -> tuple[tokenizers.Tokenizer, str]:
@@ -188,10 +260,7 @@ def _convert_gguf_tokenizer(
     if convert_gguf_tokenizer is not None:
         import transformers
 
-        try:
-            backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        except ValueError as exc:
-            raise TokenizerError(f"{path.name}: cannot build its tokenizer: {exc}") from exc
+        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
         return backend, f"transformers {transformers.__version__}"
     return _builtin_convert(architecture, tokenizer_dict, path), "folio-builtin"
 
@@ -393,7 +462,7 @@ def _builtin_convert(architecture: str, tokenizer_dict: dict, path: Path) -> tok
         tk = _gemma_backend(tokenizer_dict["tokens"], _merges_of(tokenizer_dict))
     else:
         raise TokenizerError(
-            f"{path.name}: unsupported tokenizer.ggml.model {tokenizer_type!r} "
+            f"{path}: unsupported tokenizer.ggml.model {tokenizer_type!r} "
             "(the built-in converter handles 'gpt2', 'llama' and 'gemma4'; install transformers for more)"
         )
 
