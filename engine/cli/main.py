@@ -87,6 +87,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_models_parser(sub)
 
+    from engine.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (JSON lines)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     fwd = bsub.add_parser("forward", help="prefill and decode speed, Folio vs transformers")
@@ -175,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             "the desktop app is started by folio.main, not by the engine's command line"
         )
     try:
-        if args.command in ("generate", "chat", "bench") and hasattr(args, "model"):
+        if args.command in ("generate", "chat", "bench", "serve") and hasattr(args, "model"):
             args.model = model_path(args.model)
         if args.command == "generate":
             from engine.cli.generate import run_generate
@@ -187,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
             return run_models(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "serve":
+            from engine.server.cli import run_serve
+
+            return run_serve(args)
         if args.command == "bench":
             _bench(args)
             return 0

@@ -10,37 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as Backend
 
 from folio.main import main
-from tests.engine.tiny_models import make_hf_model, save_hf_folder
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def write_chat_model(folder: Path, template: str | None = CHATML, context: int = 64) -> Path:
-    """A tiny Qwen3 folder whose tokenizer is every byte plus ChatML's control tokens (ids
-    256..258, the model's whole vocabulary), with `template` as its chat template."""
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    model = make_hf_model(
-        "qwen3", seed=3, vocab_size=backend.get_vocab_size(), max_position_embeddings=context
-    )
-    save_hf_folder(model, folder)
-    backend.save(str(folder / "tokenizer.json"))
-    config: dict = {"eos_token": "<|im_end|>"}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+from tests.engine.tiny_models import write_chat_model
 
 
 @pytest.fixture(scope="module")

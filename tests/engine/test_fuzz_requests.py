@@ -26,7 +26,7 @@ from engine.generator.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from engine.model.loader import load_model
 from folio.main import main
 from tests.engine.generator.helpers import drain, make_generator
-from tests.engine.test_cli_inputs import write_chat_model
+from tests.engine.tiny_models import write_chat_model
 
 FUZZ = settings(
     max_examples=50,

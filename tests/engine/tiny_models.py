@@ -7,6 +7,7 @@ write, so Folio's dequantizers, loader and forward are all checked at once.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -185,3 +186,37 @@ def write_gguf(model, path: Path, qtypes: dict[str, Q], default: Q = Q.Q8_0, see
     if cfg.tie_word_embeddings and "lm_head.weight" in ref:
         ref["lm_head.weight"] = ref["model.embed_tokens.weight"]
     return ref
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def write_chat_model(
+    folder: Path, template: str | None = CHATML, context: int = 64, seed: int = 3
+) -> Path:
+    """A tiny Qwen3 folder whose tokenizer is every byte plus ChatML's control tokens (ids
+    256..258, the model's whole vocabulary), with `template` as its chat template: a real
+    template, every text encodable, a forward of about a millisecond."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False) for t in CHATML_SPECIALS]
+    backend.add_special_tokens(specials)
+    model = make_hf_model(
+        "qwen3", seed=seed, vocab_size=backend.get_vocab_size(), max_position_embeddings=context
+    )
+    save_hf_folder(model, folder)
+    backend.save(str(folder / "tokenizer.json"))
+    config: dict = {"eos_token": "<|im_end|>"}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

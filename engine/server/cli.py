@@ -1,0 +1,123 @@
+"""`folio serve`: the OpenAI-compatible server on an Engine of its own.
+
+`add_serve_parser(subparsers)` adds the command to `folio`'s parser; `run_serve(args)`
+loads the model, starts the engine and serves until Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from engine.cache.kv_cache import CacheSettings
+from engine.generator.settings import GeneratorSettings
+from engine.server.app import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+
+API_KEY_ENV = "FOLIO_API_KEY"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    serve = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)"
+    )
+    serve.add_argument(
+        "--model",
+        type=Path,
+        help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}: this machine only)",
+    )
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"required as 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--served-model-name", help="the model id clients send (default: the model's file name)"
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=ServerSettings.max_tokens,
+        help="the most new tokens one request may ask for",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes)
+    serve.add_argument(
+        "--weights", choices=("int4", "bf16", "dequant"), default="int4", help="weight storage"
+    )
+    serve.add_argument("--page-size", type=int, default=256)
+    serve.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
+    serve.add_argument("--k-bits", type=int, help="quantize cached keys to 2..8 bits")
+    serve.add_argument("--v-bits", type=int, help="quantize cached values to 2..8 bits")
+    serve.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=GeneratorSettings.max_batch_size,
+        help="sequences decoded together (n > 1 takes n)",
+    )
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return serve
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted; bad settings raise ValueError naming the option."""
+    from engine.engine import Engine
+    from engine.model.loader import load_model
+    from engine.server.app import serve
+
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        model_id=args.served_model_name,
+        max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_bytes,
+    )
+    settings.validate()
+    if args.cache_tokens < 1:
+        raise ValueError(f"--cache-tokens must be at least 1, got {args.cache_tokens}")
+    cache = CacheSettings(
+        page_size=args.page_size,
+        token_budget=args.cache_tokens,
+        k_bits=args.k_bits,
+        v_bits=args.v_bits,
+    )
+    generator = GeneratorSettings(max_batch_size=args.max_batch_size)
+    generator.validate(cache.page_size)
+    path = args.model
+    if path is None:
+        from engine.model.fetch import ensure_default_model
+
+        path = ensure_default_model()
+    loaded = load_model(path, weight_mode=args.weights)
+
+    def ready(url: str) -> None:
+        pages = engine.cache.pages
+        print(
+            f"{loaded.name}: serving {url}/v1 (model id {settings.model_id or loaded.name!r}), "
+            f"cache {pages.num_pages * pages.page_size} tokens in {pages.num_pages} pages "
+            f"of {pages.page_size}",
+            flush=True,
+        )
+
+    with Engine(loaded, cache, generator) as engine:
+        try:
+            serve(
+                engine,
+                settings.host,
+                settings.port,
+                settings.api_key,
+                log_level=args.log_level,
+                on_ready=ready,
+                model_id=settings.model_id,
+                max_tokens=settings.max_tokens,
+                max_body_bytes=settings.max_body_bytes,
+            )
+        except KeyboardInterrupt:
+            pass
+    return 0

@@ -1,0 +1,182 @@
+"""The OpenAI response objects built from the engine's results and events: whole
+completions, stream chunks, usage, finish reasons and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.generator.job import JobResult
+from engine.generator.stops import StopReason
+from engine.server.errors import APIError
+from engine.server.schemas import Kind
+
+FINISH_REASONS = {
+    StopReason.STOP_TOKEN: "stop",
+    StopReason.STOP_STRING: "stop",
+    StopReason.MAX_NEW_TOKENS: "length",
+}
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+class TokenLogprob(Protocol):
+    """What the generator would report per sampled token (see `schemas.logprobs_supported`)."""
+
+    token_id: int
+    logprob: float
+    top: Sequence[tuple[int, float]]  # the most likely tokens, best first
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every object of one response repeats."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    def fields(self, chunk: bool = False) -> dict[str, Any]:
+        if self.kind is Kind.CHAT:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
+
+
+def finish_reason(reason: str) -> str:
+    return FINISH_REASONS.get(reason, reason)
+
+
+def job_error(result: JobResult) -> APIError | None:
+    """The error a job that did not finish normally answers with, or None."""
+    if result.eos_reason == StopReason.ERROR:
+        return APIError(
+            500, f"the engine failed on this request: {result.error}", code="engine_error"
+        )
+    if result.eos_reason == StopReason.CANCELLED:
+        return APIError(
+            503, "the request was cancelled: the server is shutting down", code="cancelled"
+        )
+    return None
+
+
+def usage(result: JobResult) -> dict[str, Any]:
+    """Tokens of the prompt (once, whatever n) and of every sample."""
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.new_tokens,
+        "total_tokens": result.prompt_tokens + result.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+def completion(
+    head: Head, result: JobResult, logprobs: list[list[Any]] | None, tokenizer: Any
+) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion or text completion."""
+    choices = []
+    for i, (text, reason) in enumerate(zip(result.texts, result.eos_reasons)):
+        entries = logprobs[i] if logprobs is not None else None
+        choice: dict[str, Any] = {"index": i}
+        if head.kind is Kind.CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = chat_logprobs(entries, tokenizer)
+        else:
+            choice["text"] = text
+            choice["logprobs"] = completion_logprobs(entries, tokenizer)
+        choice["finish_reason"] = finish_reason(reason)
+        choices.append(choice)
+    return {**head.fields(), "choices": choices, "usage": usage(result)}
+
+
+def chunk(
+    head: Head,
+    index: int,
+    text: str | None = None,
+    *,
+    role: bool = False,
+    finish: str | None = None,
+    logprobs: Any = None,
+) -> dict[str, Any]:
+    """One streamed piece of one choice."""
+    choice: dict[str, Any] = {"index": index}
+    if head.kind is Kind.CHAT:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = finish
+    return {**head.fields(chunk=True), "choices": [choice]}
+
+
+def usage_chunk(head: Head, result: JobResult) -> dict[str, Any]:
+    """The last chunk of a stream that asked for usage (stream_options.include_usage)."""
+    return {**head.fields(chunk=True), "choices": [], "usage": usage(result)}
+
+
+# -- logprobs -----------------------------------------------------------------------------
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob] | None, tokenizer: Any) -> dict | None:
+    """`choice.logprobs` of a chat completion: {"content": [{token, logprob, bytes,
+    top_logprobs}]}."""
+    if entries is None:
+        return None
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **token(e.token_id, e.logprob),
+                "top_logprobs": [token(t, lp) for t, lp in e.top],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob] | None, tokenizer: Any, offset: int = 0
+) -> dict | None:
+    """`choice.logprobs` of a text completion: parallel lists of tokens, their
+    logprobs, the top alternatives and each token's character offset in the text."""
+    if entries is None:
+        return None
+    tokens, offsets = [], []
+    for e in entries:
+        text = _token_text(tokenizer, e.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": [
+            {_token_text(tokenizer, t): _finite(lp) for t, lp in e.top} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token that cannot be sampled gets OpenAI's -9999."""
+    return max(float(logprob), IMPOSSIBLE_LOGPROB)
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else ""
