@@ -8,10 +8,18 @@ re-emitted only when the engine's version moved. Loading a model and rebuilding 
 cache run on worker threads; their outcome comes back as signals. Nothing here ever
 blocks the UI thread on the engine, except `shutdown`, which the window calls once,
 on close.
+
+The bridge also runs the local OpenAI-compatible server (`engine.server.app.Server`) on
+the same engine, so API requests share the chats' prefix cache and show in the same
+snapshots. The server follows the engine: when the model is switched or the cache
+rebuilt, it stops before the old engine does and starts again, same address and key, on
+the new one; clients see refused connections for the seconds in between. Starting and
+stopping run on their own worker thread, since a graceful stop waits for open requests.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections import deque
@@ -27,6 +35,7 @@ from engine.engine import Engine, EngineSnapshot, JobHandle
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import JobEvent, JobRequest
 from engine.model.loader import LoadedModel
+from engine.server.app import Server, ServerSettings
 from gui.worker import TaskRunner, error_text
 
 log = logging.getLogger(__name__)
@@ -80,6 +89,40 @@ def _device_name(loaded: LoadedModel) -> str:
     return "CPU"
 
 
+@dataclass(frozen=True)
+class ServerInfo:
+    """The running local server, as the window shows it."""
+
+    base_url: str  # what OpenAI clients take as base_url: "http://127.0.0.1:8080/v1"
+    model_id: str  # what clients send as "model" (GET /v1/models lists it)
+    settings: ServerSettings  # as started (port 0 asked for any free port; see `port`)
+    port: int
+
+
+def server_error_text(exc: BaseException, settings: ServerSettings) -> str:
+    """A failed start in words a user can act on."""
+    where = f"{settings.host}:{settings.port}"
+    code = getattr(exc, "errno", None)
+    if code == errno.EADDRINUSE:
+        return (
+            f"Port {settings.port} is already in use on {settings.host}: another program "
+            "(or another Folio) is listening there. Choose another port, or stop the "
+            "other program."
+        )
+    if code == errno.EACCES:
+        return (
+            f"Not allowed to listen on {where}: ports below 1024 need administrator "
+            "rights. Choose a port from 1024 up, such as 8080."
+        )
+    # Negative codes are getaddrinfo's: a host name that resolves to nothing.
+    if code in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or (code is not None and code < 0):
+        return (
+            f"Cannot listen on {settings.host}: it is not an address of this computer. "
+            "Use 127.0.0.1 (this computer only) or 0.0.0.0 (every network)."
+        )
+    return f"The local server could not start on {where}: {error_text(exc)}"
+
+
 def _safe_weight_bytes(loaded: LoadedModel) -> int:
     try:
         return int(loaded.weight_bytes)
@@ -126,8 +169,14 @@ class EngineBridge(QObject):
     engine_ready = Signal(object)
     # (message) loading or rebuilding failed; the old engine (if any) keeps running
     engine_failed = Signal(str)
+    # (ServerInfo or None) the local server started, moved to a new engine, or stopped
+    server_changed = Signal(object)
+    # (message) the local server could not start; it is off
+    server_failed = Signal(str)
     # internal: crosses from the engine thread to the UI thread
     _wake = Signal()
+    # internal: a worker thread stopped the local server
+    _server_gone = Signal()
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -148,6 +197,16 @@ class EngineBridge(QObject):
         self._worker = TaskRunner(
             self, max_threads=1, describe_error=_start_failure, thread_name="folio-load"
         )
+        # The local server: what the user asked for (None: off), and what runs. `_server`
+        # is only touched on the server's worker thread, the load worker (which stops it
+        # before an engine swap) and in `shutdown`, always under `_server_lock`.
+        self.server_settings: ServerSettings | None = None
+        self.server: ServerInfo | None = None  # UI thread's view of what runs
+        self._server: Server | None = None
+        self._server_engine: Engine | None = None
+        self._server_lock = threading.Lock()
+        self._server_worker = TaskRunner(self, max_threads=1, thread_name="folio-server")
+        self._server_gone.connect(lambda: self._on_server_changed(None))
         self._wake.connect(self._drain_events)
         self._timer = QTimer(self)
         self._timer.setInterval(SNAPSHOT_INTERVAL_MS)
@@ -225,6 +284,11 @@ class EngineBridge(QObject):
         engine = Engine(loaded, cache_settings, generator_settings)
         old = self.engine
         if old is not None:
+            # Before the old engine stops: open requests get the graceful stop's seconds
+            # to finish, and none reaches an engine that is gone. `_on_engine_started`
+            # starts the server again on the new engine.
+            with self._server_lock:
+                self._close_server()
             old.shutdown(30.0)
         engine.add_listener(self._on_engine_event)
         engine.start()
@@ -240,6 +304,8 @@ class EngineBridge(QObject):
 
     def _on_engine_failed(self, error: str) -> None:
         self.engine_failed.emit(error or "loading failed")
+        if self.server_settings is not None:
+            self._reconcile_server()  # a swap that failed half way may have stopped it
 
     def _on_engine_started(self, engine: Engine) -> None:
         self.engine = engine
@@ -251,6 +317,8 @@ class EngineBridge(QObject):
         self._timer.start()
         self.engine_ready.emit(self.model_info)
         self.poll_snapshot()
+        if self.server_settings is not None:
+            self._reconcile_server()
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -303,11 +371,85 @@ class EngineBridge(QObject):
         self.snapshot_ready.emit(snapshot)
         return snapshot
 
+    # -- the local server -------------------------------------------------------------
+
+    def start_server(self, settings: ServerSettings) -> None:
+        """Serve the OpenAI API on the engine with `settings` (restarting the server if
+        it runs with others), off the UI thread. Ends in `server_changed(ServerInfo)` or
+        `server_failed(message)`; without an engine yet it starts once one is ready.
+        Port 0 takes any free port, anew at each start (an engine swap too). Raises
+        ValueError for settings that cannot work (a port out of range)."""
+        settings.validate()
+        self.server_settings = settings
+        if self.engine is not None:
+            self._reconcile_server()
+
+    def stop_server(self) -> None:
+        """Stop serving (open requests get a few seconds); ends in `server_changed(None)`."""
+        self.server_settings = None
+        self._reconcile_server()
+
+    def _reconcile_server(self) -> None:
+        """Make what runs match what was asked for, on the server's worker thread. Each
+        call reads the wish and the engine when it runs, so calls that overtake each
+        other still end in the latest wish; only the newest call reports."""
+
+        def work() -> ServerInfo | None:
+            with self._server_lock:
+                wanted, engine = self.server_settings, self.engine
+                server = self._server
+                if server is not None and (
+                    wanted is None or wanted != server.settings or self._server_engine is not engine
+                ):
+                    self._close_server()
+                if wanted is None or engine is None or not engine.running:
+                    return None
+                if self._server is None:
+                    server = Server(engine, wanted)
+                    try:
+                        server.start()
+                    except (OSError, RuntimeError) as exc:
+                        raise RuntimeError(server_error_text(exc, wanted)) from exc
+                    self._server, self._server_engine = server, engine
+                return self._server_info(self._server)
+
+        self._server_worker.run("server", work, self._on_server_changed, self._on_server_failed)
+
+    def _server_info(self, server: Server) -> ServerInfo:
+        assert server.port is not None
+        model_id = server.app.state.folio.limits.model_id
+        return ServerInfo(server.url + "/v1", model_id, server.settings, server.port)
+
+    def _close_server(self) -> None:
+        """Under `_server_lock`, on a worker thread or at shutdown."""
+        server, self._server, self._server_engine = self._server, None, None
+        if server is None:
+            return
+        try:
+            server.stop()
+        except RuntimeError:  # it did not stop in time; its thread is a daemon
+            log.exception("local server stop")
+        # The window hears of it now, not only once a new server is up (an engine swap).
+        self._server_gone.emit()
+
+    def _on_server_changed(self, info: ServerInfo | None) -> None:
+        if info != self.server:
+            self.server = info
+            self.server_changed.emit(info)
+
+    def _on_server_failed(self, message: str) -> None:
+        self.server_settings = None  # off, as the window shows it; the user picks again
+        self._on_server_changed(None)
+        self.server_failed.emit(message)
+
     # -- shutdown ---------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine: jobs end as cancelled, the loop thread joins. The only call
         that waits on the engine (at most one step); used when the window closes."""
+        self.server_settings = None
+        with self._server_lock:
+            self._close_server()
         self._timer.stop()
         engine, self.engine = self.engine, None
         if engine is not None:

@@ -1,16 +1,31 @@
 """The main window: conversations on the left, the chat in the middle, the engine's
-memory in a dock on the right, the engine's figures in the status bar."""
+memory in a dock on the right, the engine's figures in the status bar.
+
+File > Local server runs the OpenAI-compatible server on the window's engine (see
+`gui.server_dialog`); it stays on across model switches and cache rebuilds (the bridge
+moves it to the new engine, same address and key) and stops when the window closes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, Qt
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtCore import QByteArray, QSettings, QSize, Qt
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QColor,
+    QIcon,
+    QKeySequence,
+    QPainter,
+    QPixmap,
+    QShortcut,
+)
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
@@ -27,16 +42,19 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QSplitter,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from engine.engine import EngineSnapshot
 from engine.units import format_bytes
-from gui.bridge import EngineBridge, ModelInfo
+from gui.bridge import EngineBridge, ModelInfo, ServerInfo
 from gui.chat.controller import ChatController
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
+from gui.palette import API_COLOR
+from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
 from gui.store import Store, StoreError, StoreMode
 
@@ -71,6 +89,23 @@ def tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+
+
+class ElidedLabel(QLabel):
+    """A status-bar label that ends in "…" when the bar is too narrow for it (the
+    model's name and format are long, and the server's address shares the bar) instead
+    of being cut mid-word."""
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        hint = super().minimumSizeHint()
+        return QSize(min(hint.width(), 160), hint.height())
+
+    def paintEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        painter = QPainter(self)
+        self.drawFrame(painter)  # the style sheet's border, as QLabel draws it
+        rect = self.contentsRect()
+        text = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
+        painter.drawText(rect, int(self.alignment()), text)
 
 
 class ConversationList(QWidget):
@@ -115,6 +150,9 @@ class MainWindow(QMainWindow):
         self.bridge = bridge or EngineBridge(self)
         self.controller = ChatController(store, self.bridge, self)
         self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
+        self.server_prefs = LocalServerSettings.from_dict(self._settings_json("server/settings"))
+        self.server_dialog: ServerDialog | None = None  # built on first use
+        self._served_model: str | None = None  # what the server served last, while on
         self.error_dialog: QMessageBox | None = None
         self.data_folder_dialog: QMessageBox | None = None
         self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
@@ -161,12 +199,16 @@ class MainWindow(QMainWindow):
         self.bridge.engine_ready.connect(self.on_engine_ready)
         self.bridge.engine_failed.connect(self.on_engine_failed)
         self.bridge.load_progress.connect(self.on_load_progress)
+        self.bridge.server_changed.connect(self.on_server_changed)
+        self.bridge.server_failed.connect(self.on_server_failed)
         self.resize(1400, 860)
         self.resizeDocks([self.memory_dock], [480], Qt.Orientation.Horizontal)
         self._restore_layout()
         self._apply_threads()
         self._show_saving("")
         self.refresh_conversations()
+        if self.server_prefs.enabled:
+            self.apply_server_settings(self.server_prefs)  # runs once the engine is up
         last = self.settings.value("chats/current")
         if last is not None and self._find_item(int(last)) is not None:
             self.select_conversation(int(last))
@@ -179,10 +221,10 @@ class MainWindow(QMainWindow):
 
     def _build_status_bar(self) -> None:
         bar = self.statusBar()
-        self.model_label = QLabel("no model")
+        self.model_label = ElidedLabel("no model")
         self.device_label = QLabel()
-        self.cache_label = QLabel()
-        self.memory_label = QLabel()
+        self.cache_label = ElidedLabel()
+        self.memory_label = ElidedLabel()
         self.jobs_label = QLabel()
         self.load_bar = QProgressBar()
         self.load_bar.setMaximumWidth(180)
@@ -197,6 +239,17 @@ class MainWindow(QMainWindow):
         self.saving_label.setStyleSheet("padding: 0 6px; color: #B3261E; font-weight: 600;")
         self.saving_label.setVisible(False)
         bar.addPermanentWidget(self.saving_label)
+        # The server's address, while it runs (or is about to): a click opens its dialog.
+        self.server_button = QToolButton()
+        self.server_button.setAutoRaise(True)
+        # The swatch the memory views colour API pages with, so the two read as one.
+        swatch = QPixmap(10, 10)
+        swatch.fill(QColor(API_COLOR))
+        self.server_button.setIcon(QIcon(swatch))
+        self.server_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.server_button.setVisible(False)
+        self.server_button.clicked.connect(self.open_server_dialog)
+        bar.addPermanentWidget(self.server_button)
         bar.addPermanentWidget(self.load_bar)
 
     def _build_actions(self) -> None:
@@ -212,10 +265,19 @@ class MainWindow(QMainWindow):
         models_action.triggered.connect(self.open_models)
         settings_action = QAction("Engine &settings…", self)
         settings_action.triggered.connect(self.open_settings)
+        self.server_action = QAction("&Local server…", self)
+        self.server_action.setToolTip("Serve the model to other programs (OpenAI API)")
+        self.server_action.triggered.connect(self.open_server_dialog)
         quit_action = QAction("&Quit", self)
         quit_action.setShortcut(QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
-        for action in (self.new_action, open_model, models_action, settings_action):
+        for action in (
+            self.new_action,
+            open_model,
+            models_action,
+            settings_action,
+            self.server_action,
+        ):
             file_menu.addAction(action)
         file_menu.addSeparator()
         file_menu.addAction(quit_action)
@@ -430,6 +492,68 @@ class MainWindow(QMainWindow):
             import torch
 
             torch.set_num_threads(self.engine_settings.cpu_threads)
+
+    # -- the local server -------------------------------------------------------------
+
+    def open_server_dialog(self) -> ServerDialog:
+        """One modeless dialog for the window's life, so it can stay open beside the chats."""
+        if self.server_dialog is None:
+            self.server_dialog = ServerDialog(self.bridge, self.server_prefs, self)
+            self.server_dialog.apply_requested.connect(self.apply_server_settings)
+        self.server_dialog.show()
+        self.server_dialog.raise_()
+        self.server_dialog.activateWindow()
+        return self.server_dialog
+
+    def apply_server_settings(self, prefs: LocalServerSettings) -> None:
+        """Save `prefs` and start (or restart) or stop the server to match; the outcome
+        arrives as `on_server_changed` / `on_server_failed`."""
+        self._save_server_prefs(prefs)
+        if prefs.enabled:
+            self.bridge.start_server(prefs.server_settings())
+        else:
+            self.bridge.stop_server()
+        self._show_server(self.bridge.server)
+
+    def _save_server_prefs(self, prefs: LocalServerSettings) -> None:
+        self.server_prefs = prefs
+        self.settings.setValue("server/settings", json.dumps(prefs.as_dict()))
+
+    def on_server_changed(self, info: ServerInfo | None) -> None:
+        self._show_server(info)
+        if info is None:
+            if self.bridge.server_settings is None:
+                self._served_model = None  # switched off, not moving to a new engine
+            return
+        if self._served_model is not None and info.model_id != self._served_model:
+            self.statusBar().showMessage(
+                f"API server now serves {info.model_id} (same address: {info.base_url})", 10_000
+            )
+        self._served_model = info.model_id
+
+    def on_server_failed(self, message: str) -> None:
+        # The switch is off now; saved so, or the next start would fail the same way.
+        self._save_server_prefs(dataclasses.replace(self.server_prefs, enabled=False))
+        self._show_server(None)
+        self.statusBar().showMessage("API server: " + message, 15_000)
+        if self.server_dialog is None or not self.server_dialog.isVisible():
+            box = self.show_error("The local server could not start", message)
+            box.setInformativeText("File > Local server… changes the address and port.")
+
+    def _show_server(self, info: ServerInfo | None) -> None:
+        """The status bar's server button: its URL while it runs, "starting…" while it
+        waits for an engine or moves to a new one, hidden when off."""
+        button = self.server_button
+        if info is not None:
+            button.setText(f"API server: {info.base_url}")
+            button.setToolTip(
+                f"Serving {info.model_id} to OpenAI clients at {info.base_url}"
+                f"{' (API key required)' if info.settings.api_key else ''}. Click for settings."
+            )
+        elif self.bridge.server_settings is not None:
+            button.setText("API server: starting…")
+            button.setToolTip("The server starts once the model is running. Click for settings.")
+        button.setVisible(info is not None or self.bridge.server_settings is not None)
 
     # -- conversations ----------------------------------------------------------------
 

@@ -8,6 +8,8 @@ confused also differ in lightness, so they survive greyscale printing too.
 
 Chats (the `tag` of a job, e.g. a conversation id) keep the colour they were first
 given for the life of a `ChatColors`, so a chat never changes colour while you watch.
+Jobs from the local server (`engine.server.tag.ApiTag`, one tag for all of them) are one
+more "chat", named "API", in a colour of its own that no chat is ever given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication
 
 from engine.cache.page import PageState
+from engine.server.tag import ApiTag
 
 # Hues deliberately kept out of the chat colours: blues mean "not owned by any chat"
 # (cached on the device, or pushed to the host tier), vermillion means "evicted next".
@@ -44,6 +47,10 @@ CHAT_COLORS: tuple[str, ...] = (
     "#DDCC77",  # Tol muted: sand
     "#AA4499",  # Tol muted: purple
 )
+
+# The local server's jobs. Brown: a hue no chat colour and no page state uses, darker
+# than the orange of the first chat so the two differ in greyscale too.
+API_COLOR = "#8C5A2B"
 
 STATE_NAMES = {
     PageState.FREE: "free",
@@ -161,19 +168,35 @@ def label_color_on(hex_color: str) -> str:
     return "#000000" if lum > 0.25 else "#FFFFFF"
 
 
+def is_api(tag: Any) -> bool:
+    """Whether ``tag`` is the local server's (every API job carries an equal `ApiTag`)."""
+    return isinstance(tag, ApiTag)
+
+
 class ChatColors(QObject):
     """Chat tag -> colour, first come first served, stable while the object lives.
 
+    Tags in ``fixed`` (by default the API's) always get their own colour and take none
+    from the chats, so the first chat is orange whether or not the server ran first.
     Shared by every view of one window so a chat has one colour everywhere; `changed`
     fires when a tag gets its first colour or a chat is renamed, which is when a
     legend has something new to say."""
 
     changed = Signal()
 
-    def __init__(self, colors: tuple[str, ...] = CHAT_COLORS, parent: QObject | None = None):
+    def __init__(
+        self,
+        colors: tuple[str, ...] = CHAT_COLORS,
+        parent: QObject | None = None,
+        fixed: dict[Hashable, str] | None = None,
+    ):
         super().__init__(parent)
         self._colors = colors
+        self._fixed = {ApiTag(): API_COLOR} if fixed is None else dict(fixed)
         self._index: dict[Hashable, int] = {}
+        # Slots are handed out in order of first sight; each keeps the colour it got.
+        self._slot_colors: list[str] = []
+        self._chats_seen = 0  # tags coloured from `colors` so far
         self._names: dict[Hashable, str] = {}
 
     def index_of(self, tag: Any) -> int:
@@ -182,16 +205,29 @@ class ChatColors(QObject):
         slot = self._index.get(key)
         if slot is None:
             slot = self._index[key] = len(self._index)
+            color = self._fixed.get(key)
+            if color is None:
+                color = self._colors[self._chats_seen % len(self._colors)]
+                self._chats_seen += 1
+            self._slot_colors.append(color)
             self.changed.emit()
         return slot
 
     def color(self, tag: Any) -> str:
-        return self._colors[self.index_of(tag) % len(self._colors)]
+        return self._slot_colors[self.index_of(tag)]
 
     def color_table(self, size: int | None = None) -> np.ndarray:
-        """RGBA uint8 rows, one per colour slot (cycled), for vectorised lookups."""
+        """RGBA uint8 rows, one per colour slot, for vectorised lookups; slots not
+        handed out yet (up to ``size``) continue the chat colours' cycle."""
         n = max(size if size is not None else len(self._index), 1)
-        return np.array([rgba(self._colors[i % len(self._colors)]) for i in range(n)], np.uint8)
+        given = len(self._slot_colors)
+        rows = [
+            self._slot_colors[i]
+            if i < given
+            else self._colors[(self._chats_seen + i - given) % len(self._colors)]
+            for i in range(n)
+        ]
+        return np.array([rgba(c) for c in rows], np.uint8)
 
     def set_name(self, tag: Any, name: str) -> None:
         self._names[_key(tag)] = name

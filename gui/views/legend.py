@@ -19,7 +19,7 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip
 
-from gui.palette import Palette, blend
+from gui.palette import Palette, blend, is_api
 from gui.views.base import ChatColoredView
 
 _SWATCH = 12  # px, a page cell as the map draws it
@@ -80,9 +80,11 @@ class LegendBar(ChatColoredView):
         self._rebuild()
 
     def set_active_chats(self, tags: list[Any]) -> None:
-        """The chats to list (those holding pages now); colours come from ChatColors."""
+        """The chats to list (those holding pages now); colours come from ChatColors.
+        A chat with several jobs (every API request is one "API" chat) is listed once."""
+        tags = _each_once(tags)
         if tags != self._active:
-            self._active = list(tags)
+            self._active = tags
             self._rebuild()
 
     def _rebuild(self) -> None:
@@ -94,8 +96,8 @@ class LegendBar(ChatColoredView):
         ]
         if self._active:
             for tag in self._active[:_MAX_CHATS]:
-                out.append(LegendEntry(self.chats.name(tag), self.chats.color(tag),
-                                       "held by this chat"))  # fmt: skip
+                tip = "held by requests to the local server" if is_api(tag) else "held by this chat"
+                out.append(LegendEntry(self.chats.name(tag), self.chats.color(tag), tip))
             if len(self._active) > _MAX_CHATS:
                 out.append(LegendEntry(f"+{len(self._active) - _MAX_CHATS} chats", None))
         else:
@@ -145,3 +147,19 @@ class LegendBar(ChatColoredView):
                     QToolTip.showText(ev.globalPos(), tip, self)
                     return True
         return super().event(ev)
+
+
+def _each_once(tags: list[Any]) -> list[Any]:
+    """``tags`` without repeats, in order (a server under load lists hundreds of jobs)."""
+    seen: set[Any] = set()
+    out: list[Any] = []
+    for tag in tags:
+        try:
+            if tag in seen:
+                continue
+            seen.add(tag)
+        except TypeError:  # an unhashable tag: compare it the slow way
+            if tag in out:
+                continue
+        out.append(tag)
+    return out
