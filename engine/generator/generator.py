@@ -31,8 +31,15 @@ from engine.generator.job import (
     JobResult,
     JobState,
     Sequence,
+    TokenLogprob,
 )
-from engine.generator.sampler import NOTHING_LEFT, NothingToSample, Sampler, make_generator
+from engine.generator.sampler import (
+    NOTHING_LEFT,
+    NothingToSample,
+    Sampler,
+    make_generator,
+    model_logprobs,
+)
 from engine.generator.scheduler import Scheduler
 from engine.generator.settings import GeneratorSettings
 from engine.generator.stops import StopAutomaton, StopHandler, StopReason
@@ -40,6 +47,9 @@ from engine.model.loader import LoadedModel
 from engine.telemetry import StepRecord, Telemetry
 
 __all__ = ["Generator", "GeneratorSettings"]
+
+# A drawn token: its job, its sequence, the id, and the logits row it was drawn from.
+Drawn = tuple[Job, Sequence, int, int]
 
 
 class Generator:
@@ -372,17 +382,18 @@ class Generator:
                 self._finish_job(job, StopReason.ERROR, events, f"sampling failed: {exc}")
         picks = [p for p in picks if p[0].state is not JobState.DONE]
         drawn = self._draw(picks, logits, events)
-        for job, seq, token in drawn:
+        logprobs = self._logprobs(drawn, logits, events)
+        for (job, seq, token, _), logprob in zip(drawn, logprobs, strict=True):
             if job.state is JobState.DONE:
                 continue
             try:
-                self._accept(job, seq, token, events)
+                self._accept(job, seq, token, logprob, events)
             except Exception as exc:  # noqa: BLE001
                 self._finish_job(job, StopReason.ERROR, events, f"stop handling failed: {exc}")
 
     def _draw(
         self, picks: list[tuple[Job, Sequence, int]], logits: torch.Tensor, events: list[JobEvent]
-    ) -> list[tuple[Job, Sequence, int]]:
+    ) -> list[Drawn]:
         """One token per pick, in one sampler call. If that call fails, each job draws on
         its own: the sampler checks and processes every row before any row draws, and rows
         never depend on each other, so a job picks what it would have picked in the batch;
@@ -390,7 +401,7 @@ class Generator:
         try:
             return self._draw_batch(picks, logits, events)
         except Exception:  # noqa: BLE001 - find the jobs it concerns, the others go on
-            drawn: list[tuple[Job, Sequence, int]] = []
+            drawn: list[Drawn] = []
             for job in {id(job): job for job, _, _ in picks}.values():
                 try:
                     drawn += self._draw_batch([p for p in picks if p[0] is job], logits, events)
@@ -400,7 +411,7 @@ class Generator:
 
     def _draw_batch(
         self, picks: list[tuple[Job, Sequence, int]], logits: torch.Tensor, events: list[JobEvent]
-    ) -> list[tuple[Job, Sequence, int]]:
+    ) -> list[Drawn]:
         """One sampler call over the picks; a job whose row has no token left ends."""
         while picks:
             index = torch.tensor([row for _, _, row in picks])
@@ -419,8 +430,41 @@ class Generator:
                     self._finish_job(job, StopReason.ERROR, events, NOTHING_LEFT)
                 picks = [p for p in picks if id(p[0]) not in empty]
                 continue
-            return [(job, seq, int(t)) for (job, seq, _), t in zip(picks, chosen, strict=True)]
+            return [
+                (job, seq, int(t), row) for (job, seq, row), t in zip(picks, chosen, strict=True)
+            ]
         return []
+
+    def _logprobs(
+        self, drawn: list[Drawn], logits: torch.Tensor, events: list[JobEvent]
+    ) -> list[TokenLogprob | None]:
+        """The drawn tokens' log-probabilities where the job asks (`JobRequest.logprobs`),
+        from the logits rows they were drawn from; None elsewhere, and no work when no job
+        asks. After the draw, not in it: `_draw` redraws when its batch fails, and a
+        failure here must not make a job draw twice from its generator; it ends the jobs
+        that asked."""
+        asking = [
+            i
+            for i, (job, _, _, _) in enumerate(drawn)
+            if job.request.logprobs is not None and job.state is not JobState.DONE
+        ]
+        out: list[TokenLogprob | None] = [None] * len(drawn)
+        if not asking:
+            return out
+        ks = [drawn[i][0].request.logprobs for i in asking]
+        tokens = [drawn[i][2] for i in asking]
+        try:
+            rows = logits[torch.tensor([drawn[i][3] for i in asking])]
+            picked, top_ids, top_logp = model_logprobs(rows, torch.tensor(tokens), max(ks))
+        except Exception as exc:  # noqa: BLE001 - the jobs that asked end, the others go on
+            for job in {id(drawn[i][0]): drawn[i][0] for i in asking}.values():
+                self._finish_job(job, StopReason.ERROR, events, f"logprobs failed: {exc}")
+            return out
+        for i, k, token, lp, ids, lps in zip(
+            asking, ks, tokens, picked, top_ids, top_logp, strict=True
+        ):
+            out[i] = TokenLogprob(token, lp, tuple(zip(ids[:k], lps[:k], strict=True)))
+        return out
 
     def _fork_samples(self, job: Job) -> None:
         """Parallel sampling: the prompt's pages (partial last page included) are shared
@@ -433,10 +477,22 @@ class Generator:
             job.sequences.append(seq)
         job.forked = True
 
-    def _accept(self, job: Job, seq: Sequence, token: int, events: list[JobEvent]) -> None:
+    def _accept(
+        self,
+        job: Job,
+        seq: Sequence,
+        token: int,
+        logprob: TokenLogprob | None,
+        events: list[JobEvent],
+    ) -> None:
         step = seq.stops.feed(token)
         seq.tokens.append(token)
         seq.generated.append(token)
+        # Stop handling holds back text, never ids: the fed token is in this step's ids
+        # (a stop token and a token that completes a stop string included), so its
+        # logprob goes out with it and `seq.logprobs` stays aligned with `seq.generated`.
+        logprobs = [logprob] if logprob is not None else []
+        seq.logprobs += logprobs
         if step.finished is not None:
             seq.finished = str(step.finished)
             seq.release(self.pages)
@@ -448,6 +504,7 @@ class Generator:
                     index=seq.index,
                     text=step.text,
                     token_ids=list(step.token_ids),
+                    logprobs=logprobs,
                     finished=seq.finished,
                     tag=job.tag,
                 )
@@ -559,6 +616,8 @@ class Generator:
                     text = seq.stops.text if seq.stops is not None else ""
                 result.texts.append(text)
                 result.token_ids.append(list(seq.generated))
+                if job.request.logprobs is not None:
+                    result.logprobs.append(list(seq.logprobs))
                 result.eos_reasons.append(seq.finished or (str(reason) if reason else ""))
         result.new_tokens = sum(len(ids) for ids in result.token_ids)
         result.eos_reason = (

@@ -29,6 +29,7 @@ MAX_PROMPT_TOKENS = 1 << 20  # beyond any model's context
 MAX_MESSAGES = 1 << 16
 MAX_MESSAGE_CHARS = 1 << 23  # in all the messages' text: about 2M tokens, beyond any context
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class JobRequest:
     n: int = 1  # parallel samples of the same prompt
     beam_width: int = 1  # > 1: beam search (greedy over summed log-probabilities)
     length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
+    logprobs: int | None = None  # k: each sampled token's log-probability and the k likeliest
     tag: Any = None  # the caller's label (a conversation id, say), echoed in snapshots
 
     def validate(self) -> None:
@@ -72,6 +74,7 @@ class JobRequest:
         lp = self.length_penalty
         if not (_is_real(lp) and math.isfinite(lp) and abs(lp) <= 100):
             raise ValueError(f"length_penalty must be a number in [-100, 100], got {lp!r:.40}")
+        _check_logprobs(self.logprobs, self.beam_width)
         _check_stop_strings(self.stop_strings)
         if self.stop_token_ids is not None:
             _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
@@ -105,6 +108,21 @@ def _check_token_ids(name: str, ids: object, limit: int, kind: type = Collection
     for token in ids:
         if not _is_int(token) or token < 0:
             raise ValueError(f"{name} must hold integer token ids >= 0, got {token!r:.40}")
+
+
+def _check_logprobs(k: object, beam_width: int) -> None:
+    if k is None:
+        return
+    if not _is_int(k) or not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(
+            f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS}, got {k!r:.40}"
+        )
+    if beam_width > 1:
+        # Beams fork and are pruned every step and report only their final hypotheses, so
+        # a beam's log-probabilities would need a history per hypothesis: not kept.
+        raise ValueError(
+            "logprobs are not available with beam search: leave logprobs or beam_width out"
+        )
 
 
 def _check_stop_strings(stops: object) -> None:
@@ -177,6 +195,18 @@ class EventKind(StrEnum):
     DONE = "done"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model, and the `k` likeliest tokens with
+    theirs, best first (`JobRequest.logprobs`). The model's distribution, before logit bias,
+    penalties, temperature or truncation reshape it (vLLM's default), so a greedy token's
+    logprob is the best in `top` unless bias or penalties moved the argmax."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class JobResult:
     """What a finished job produced. Index i is sample i (parallel sampling) or the i-th
@@ -186,6 +216,7 @@ class JobResult:
     token_ids: list[list[int]] = field(default_factory=list)
     eos_reasons: list[str] = field(default_factory=list)
     beam_scores: list[float] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per sample, when asked
     eos_reason: str = ""  # of sample 0 / the best beam; "cancelled" or "error" for the job
     error: str = ""
     prompt_tokens: int = 0
@@ -216,6 +247,7 @@ class JobEvent:
     index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
     prefill_done: int = 0  # prompt tokens in the cache so far (cached ones included)
     prefill_total: int = 0
     finished: str = ""  # this sample's end reason, on its last streaming event
@@ -234,6 +266,7 @@ class Sequence:
     index: int  # sample index (parallel sampling) or beam slot
     tokens: list[int]
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated, when asked
     stored: int = 0
     alloc: Allocation | None = None
     stops: StopHandler | None = None

@@ -216,6 +216,21 @@ class Sampler:
         return tokens
 
 
+def model_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Per row of logits [B, V]: the log-probability of its chosen token [B] under the
+    model's own distribution (no setting applied), and the ids and log-probabilities of
+    its `k` likeliest tokens, best first. Read from the logits as the model gave them, so
+    computing these never touches what a row samples."""
+    scores = logits.float().clone()
+    _make_orderable(scores)  # a NaN logit is no token, as when sampling
+    logp = torch.log_softmax(scores, dim=-1)
+    picked = logp.gather(1, chosen.to(logp.device, torch.long)[:, None]).squeeze(1)
+    top_logp, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return picked.tolist(), top_ids.tolist(), top_logp.tolist()
+
+
 def _make_orderable(scores: torch.Tensor) -> None:
     """NaN (inf - inf, 0 * inf) becomes -inf and +inf the largest float32, in place, so
     argmax, softmax and the CDF search only ever see ordered values."""

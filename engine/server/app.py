@@ -37,7 +37,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.engine import Engine
-from engine.generator.job import EventKind
 from engine.server import responses
 from engine.server.errors import (
     APIError,
@@ -264,13 +263,8 @@ class _Routes:
         error = responses.job_error(result)
         if error is not None:
             raise error
-        logprobs = None
-        if api.logprobs is not None:
-            logprobs = [[] for _ in range(api.job.n)]
-            for event in events:
-                if event.kind is EventKind.STREAMING:
-                    logprobs[event.index].extend(getattr(event, "logprobs", None) or ())
-        return JSONResponse(responses.completion(head, result, logprobs, state.tokenizer))
+        asked = api.logprobs is not None
+        return JSONResponse(responses.completion(head, result, asked, state.tokenizer))
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:

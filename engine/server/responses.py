@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from engine.generator.job import JobResult
+from engine.generator.job import JobResult, TokenLogprob
 from engine.generator.stops import StopReason
 from engine.server.errors import APIError
 from engine.server.schemas import Kind
@@ -18,14 +18,6 @@ FINISH_REASONS = {
     StopReason.MAX_NEW_TOKENS: "length",
 }
 IMPOSSIBLE_LOGPROB = -9999.0
-
-
-class TokenLogprob(Protocol):
-    """What the generator would report per sampled token (see `schemas.logprobs_supported`)."""
-
-    token_id: int
-    logprob: float
-    top: Sequence[tuple[int, float]]  # the most likely tokens, best first
 
 
 @dataclass(frozen=True)
@@ -79,13 +71,12 @@ def usage(result: JobResult) -> dict[str, Any]:
     }
 
 
-def completion(
-    head: Head, result: JobResult, logprobs: list[list[Any]] | None, tokenizer: Any
-) -> dict[str, Any]:
-    """A whole (non-streamed) chat completion or text completion."""
+def completion(head: Head, result: JobResult, logprobs: bool, tokenizer: Any) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion or text completion; `logprobs`: the request
+    asked for them (the result has them per sample)."""
     choices = []
     for i, (text, reason) in enumerate(zip(result.texts, result.eos_reasons)):
-        entries = logprobs[i] if logprobs is not None else None
+        entries = result.logprobs[i] if logprobs else None
         choice: dict[str, Any] = {"index": i}
         if head.kind is Kind.CHAT:
             choice["message"] = {"role": "assistant", "content": text}
@@ -175,7 +166,8 @@ def completion_logprobs(
 
 def _finite(logprob: float) -> float:
     """JSON has no -inf: a token that cannot be sampled gets OpenAI's -9999."""
-    return max(float(logprob), IMPOSSIBLE_LOGPROB)
+    logprob = float(logprob)
+    return logprob if logprob >= IMPOSSIBLE_LOGPROB else IMPOSSIBLE_LOGPROB  # NaN too
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:

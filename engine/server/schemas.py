@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -73,12 +73,6 @@ class APIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: no logprobs; k: the chosen token's and the k most likely
-
-
-def logprobs_supported() -> bool:
-    """Whether the generator reports per-token log-probabilities (a `JobRequest.logprobs`
-    field and `JobEvent.logprobs`); until it does, a request for them is refused."""
-    return "logprobs" in {f.name for f in fields(JobRequest)}
 
 
 def parse_chat(body: Mapping[str, Any], limits: ModelLimits, tokenizer: Any) -> APIRequest:
@@ -146,14 +140,6 @@ def _request(
     logprobs: int | None,
 ) -> APIRequest:
     """The parts both endpoints share; `asked` is the max_tokens field given and its value."""
-    if logprobs is not None and not logprobs_supported():
-        raise APIError(
-            422,
-            "logprobs are not available yet: this engine's generator does not report "
-            "per-token log-probabilities. Leave logprobs out",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
     n = _integer(body, "n", 1, 1, min(MAX_N, limits.max_batch_size))
     max_new = _fit_max_tokens(kind, len(prompt), n, asked, limits)
     stop_ids = _stop_token_ids(body, limits)
@@ -166,9 +152,8 @@ def _request(
         stop_strings=_stop(body.get("stop")),
         stop_token_ids=stop_ids,
         n=n,
+        logprobs=logprobs,
     )
-    if logprobs is not None:
-        job = _with_logprobs(job, logprobs)
     try:
         job.validate()
     except ValueError as exc:  # the engine's own checks, past the ones above
@@ -183,10 +168,6 @@ def _request(
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = _boolean(options, "include_usage", False, "stream_options.include_usage")
     return APIRequest(kind, job, stream, include_usage, logprobs)
-
-
-def _with_logprobs(job: JobRequest, k: int) -> JobRequest:
-    return replace(job, logprobs=k)  # type: ignore[call-arg]  # once the generator has it
 
 
 def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:

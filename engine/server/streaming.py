@@ -170,13 +170,15 @@ async def stream_chunks(
     async for event in job.events():
         if event.kind is EventKind.STREAMING:
             i = event.index
-            entries = getattr(event, "logprobs", None) if api.logprobs is not None else None
+            entries = event.logprobs if api.logprobs is not None else None
             if event.text or entries:
                 if api.kind is Kind.CHAT:
                     logprobs = responses.chat_logprobs(entries, tokenizer)
                 else:
                     logprobs = responses.completion_logprobs(entries, tokenizer, offsets[i])
-                    offsets[i] += len(event.text)
+                    # Offsets count the tokens' own texts, as the whole response does: the
+                    # text released so far lags them while stop handling holds text back.
+                    offsets[i] += sum(map(len, logprobs["tokens"])) if logprobs else 0
                 yield sse(responses.chunk(head, i, event.text, logprobs=logprobs))
             if event.finished:
                 finished.add(i)

@@ -99,6 +99,7 @@ def test_unknown_model_and_routes_are_404(http):
         ({"stream": "yes"}, "stream", "true or false"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
         ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
         ({"messages": []}, "messages", "non-empty"),
@@ -126,6 +127,7 @@ def test_completion_parameters(http):
     assert_error(http.post("/v1/completions", json={**body, "prompt": [1, 999]}), 422, "vocabulary")
     assert_error(http.post("/v1/completions", json={**body, "echo": True}), 422, param="echo")
     assert_error(http.post("/v1/completions", json={**body, "best_of": 3}), 422, param="best_of")
+    assert_error(http.post("/v1/completions", json={**body, "logprobs": 21}), 422, param="logprobs")
 
 
 def test_prompts_longer_than_the_context_or_the_cache_are_413(http):

@@ -1,14 +1,12 @@
 """The official `openai` client against the server: chat and completions, streamed and
-not, n, stop, seeds, usage with cached tokens, and the jobs' place on the engine."""
+not, n, stop, seeds, usage with cached tokens, logprobs, and the jobs' place on the engine."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from engine.generator.job import JobRequest
 from engine.generator.sampler import SamplingSettings
-from engine.server.schemas import logprobs_supported
 from engine.server.tag import ApiTag
 from tests.engine.server.conftest import CONTEXT, MODEL_ID, wait_idle
 
@@ -209,17 +207,98 @@ def test_api_jobs_carry_the_api_tag(client, engine):
     wait_idle(engine)
 
 
-@pytest.mark.skipif(logprobs_supported(), reason="the generator reports logprobs now")
-def test_logprobs_are_refused_until_the_generator_reports_them(client):
-    with pytest.raises(openai.UnprocessableEntityError) as info:
-        client.chat.completions.create(
-            model=MODEL_ID, messages=chat("hi"), max_tokens=2, logprobs=True, top_logprobs=2
-        )
-    assert info.value.body["param"] == "logprobs"
-    with pytest.raises(openai.UnprocessableEntityError):
-        client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2, logprobs=1)
-    # logprobs: false is no request for them
-    reply = client.chat.completions.create(
-        model=MODEL_ID, messages=chat("hi"), max_tokens=2, logprobs=False
+def _greedy_logprobs(k: int) -> JobRequest:
+    return JobRequest(
+        messages=chat("Name a colour."),
+        sampling=SamplingSettings(temperature=0),
+        max_new_tokens=8,
+        stop_token_ids=(),
+        logprobs=k,
     )
-    assert reply.choices[0].logprobs is None
+
+
+def _check_entries(tokens: list[str], logprobs: list[float], tops: list[list[float]], k: int):
+    """The shape every logprobs response has, greedy: values <= 0, k alternatives each, the
+    chosen token the likeliest of them."""
+    assert len(tokens) == len(logprobs) == len(tops)
+    assert all(lp <= 0 for lp in logprobs)
+    assert all(len(top) == k and top == sorted(top, reverse=True) for top in tops)
+    assert logprobs == [max(top) for top in tops]
+
+
+def test_chat_logprobs_streamed_and_not(client, engine):
+    kwargs = dict(
+        model=MODEL_ID,
+        messages=chat("Name a colour."),
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    reply = client.chat.completions.create(**kwargs)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 8
+    _check_entries(
+        [c.token for c in content],
+        [c.logprob for c in content],
+        [[t.logprob for t in c.top_logprobs] for c in content],
+        3,
+    )
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    # the engine's own numbers for the same chat, passed through unchanged
+    (direct,) = engine.generate(_greedy_logprobs(3), timeout=60).logprobs
+    tok = engine.loaded.tokenizer
+    assert [c.logprob for c in content] == [e.logprob for e in direct]
+    assert [[t.token for t in c.top_logprobs] for c in content] == [
+        [tok.decode([t]) for t, _ in e.top] for e in direct
+    ]
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [
+        c
+        for chunk in chunks
+        for choice in chunk.choices
+        if choice.logprobs
+        for c in choice.logprobs.content
+    ]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in streamed)
+
+    # parallel samples each have their own; logprobs: false is no request for them
+    samples = client.chat.completions.create(**{**kwargs, "temperature": 1.0, "seed": 5}, n=2)
+    assert sum(len(c.logprobs.content) for c in samples.choices) == samples.usage.completion_tokens
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_not(client):
+    kwargs = dict(
+        model=MODEL_ID,
+        prompt="The sky is",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    reply = client.completions.create(**kwargs)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == reply.usage.completion_tokens == 6
+    _check_entries(
+        lp.tokens, lp.token_logprobs, [sorted(t.values(), reverse=True) for t in lp.top_logprobs], 2
+    )
+    assert lp.text_offset == [sum(map(len, lp.tokens[:j])) for j in range(len(lp.tokens))]
+
+    # A stop string that starts at the first token's text and never completes: the stream
+    # holds that text back, so its text lags its tokens; the offsets must not.
+    held = [lp.tokens[0] + "\x7f"]
+    tokens, logprobs, offsets = [], [], []
+    for chunk in client.completions.create(**kwargs, stop=held, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                logprobs += choice.logprobs.token_logprobs
+                offsets += choice.logprobs.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)

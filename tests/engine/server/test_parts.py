@@ -1,17 +1,17 @@
 """The server's parts on their own: the cache room it promises against the engine's own
-check, logprobs formatting for when the generator reports them, the API tag, and the
+check, logprobs formatting, the API tag, and the
 `folio serve` command's wiring."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import math
 from types import SimpleNamespace
 
 import pytest
 
 from engine.cache.page import CacheFullError
-from engine.generator.job import JobRequest
+from engine.generator.job import JobRequest, TokenLogprob
 from engine.server import cli
 from engine.server.responses import chat_logprobs, completion_logprobs
 from engine.server.schemas import ModelLimits
@@ -35,20 +35,16 @@ def test_cache_room_is_exactly_what_the_engine_admits(tiny_chat):
         engine.shutdown()
 
 
-@dataclass
-class Entry:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
 class Letters:
     def decode(self, ids):
         return "".join(chr(ord("a") + i) for i in ids)
 
 
 def test_logprobs_take_openais_shapes():
-    entries = [Entry(0, -0.1, ((0, -0.1), (1, -2.5))), Entry(2, -0.7, ((3, -0.5), (2, -0.7)))]
+    entries = [
+        TokenLogprob(0, -0.1, ((0, -0.1), (1, -2.5))),
+        TokenLogprob(2, -0.7, ((3, -0.5), (2, -0.7))),
+    ]
     chat = chat_logprobs(entries, Letters())
     assert chat == {
         "content": [
@@ -79,6 +75,11 @@ def test_logprobs_take_openais_shapes():
         "text_offset": [5, 6],
     }
     assert chat_logprobs(None, Letters()) is None
+    # JSON has no -inf or NaN: OpenAI's -9999 stands for a token that cannot come
+    impossible = completion_logprobs([TokenLogprob(0, -math.inf, ((1, math.nan),))], Letters())
+    assert impossible["token_logprobs"] == [-9999.0] and impossible["top_logprobs"] == [
+        {"b": -9999.0}
+    ]
 
 
 def test_api_tags_are_one_colour_whatever_the_request():
