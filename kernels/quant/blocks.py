@@ -1,0 +1,50 @@
+"""Byte-level helpers the unpackers share: little-endian fields of a GGUF block."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kernels.quant.simd import HAS_F16C, f16_to_f32
+
+# No fast-math: every rounding step is fixed (the sums that need a vector order are written
+# out in simd.py), so fresh and cached code agree bit for bit.
+JIT = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}
+INLINE = {**JIT, "inline": "always"}
+
+
+@numba.njit(**INLINE)
+def _half_soft(bits):
+    """IEEE half -> float32 in integer code (CPUs without F16C)."""
+    h = np.uint32(bits)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    man = h & np.uint32(0x3FF)
+    if exp == 0:
+        value = np.float32(man) * np.float32(2.0**-24)
+        return -value if sign else value
+    if exp == 31:
+        out = sign | np.uint32(0x7F800000) | (man << np.uint32(13))
+    else:
+        out = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13))
+    return np.array([out], dtype=np.uint32).view(np.float32)[0]
+
+
+@numba.njit(**INLINE)
+def half(row, off):
+    """The fp16 at byte ``off`` of ``row`` (uint8) as float32."""
+    bits = np.uint16(row[off]) | (np.uint16(row[off + 1]) << np.uint16(8))
+    if HAS_F16C:
+        return f16_to_f32(bits)
+    return _half_soft(bits)
+
+
+@numba.njit(**INLINE)
+def u32(row, off):
+    """The little-endian uint32 at byte ``off`` of ``row``."""
+    return (
+        np.uint32(row[off])
+        | (np.uint32(row[off + 1]) << np.uint32(8))
+        | (np.uint32(row[off + 2]) << np.uint32(16))
+        | (np.uint32(row[off + 3]) << np.uint32(24))
+    )

@@ -1,0 +1,182 @@
+"""``quant_matmul``: activations times a weight kept in its GGUF block format.
+
+Two paths, picked by the number of activation rows ``B``:
+
+* decode (``B <= DECODE_MAX_ROWS``): the activations are quantized once to int8 per 32
+  (:mod:`kernels.quant.activations`), then the type's decode kernel reads each weight row
+  once, unpacks it into a cache-resident buffer and dots it with every activation row in
+  integers (``vpdpbusd`` where the CPU has VNNI). Row ``b`` of the result depends only on
+  row ``b`` of ``x``: the same bits for any batch.
+* prefill (larger ``B``): tiles of weight rows (:data:`PREFILL_TILE_BYTES`) are dequantized
+  into a reused buffer (bf16 where the CPU has native bf16 dot products, else float32) and
+  multiplied by torch's GEMM; the activations stay in float.
+
+The float types (F32, F16, BF16) are multiplied by torch directly on a view of their bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from kernels.quant.activations import Q8Activations, quantize_activations
+from kernels.quant.weight import QuantWeight
+
+__all__ = [
+    "COMMON_TYPES",
+    "DECODE_MAX_ROWS",
+    "PREFILL_TILE_BYTES",
+    "decode_matmul",
+    "dequantize_weight",
+    "prefill_matmul",
+    "quant_matmul",
+    "warm_up",
+]
+
+# Up to here every activation row is dotted with each unpacked weight row (issue 14: batch
+# 1-32 reads each block once); beyond it a GEMM on dequantized tiles wins (bench.py).
+DECODE_MAX_ROWS = 32
+# Bytes of dequantized weight per tile. Each GEMM call repacks its activations for oneDNN,
+# so tiles must not be small: 4096 x 4096 Q4_K, B = 512, 2 threads (bench.py): 128-row
+# tiles 4x, 256 2x, 1024 1.2x the time of one call on the whole dequantized matrix.
+PREFILL_TILE_BYTES = 8 << 20
+TASKS_PER_THREAD = 4
+
+
+# Row ranges per kernel call: a few per thread numba may run (fixed at import, since
+# numba.get_num_threads() costs microseconds per call; fewer active threads just take
+# more ranges each).
+_TASKS = numba.config.NUMBA_NUM_THREADS * TASKS_PER_THREAD
+
+
+def _tasks() -> int:
+    return _TASKS
+
+
+@functools.cache
+def prefill_dtype() -> torch.dtype:
+    """bf16 where the CPU multiplies it natively (AVX512-BF16 / AMX), else float32."""
+    f = {name for name, on in llvm.get_host_cpu_features().items() if on}
+    return torch.bfloat16 if f & {"avx512bf16", "amx-bf16"} else torch.float32
+
+
+def decode_matmul(act: Q8Activations, w: QuantWeight, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``[B, N]`` from activations already quantized (share one ``act`` between
+    the weights that read the same input)."""
+    kind = w.kind
+    b, k = act.shape
+    if k != w.in_features:
+        raise ValueError(f"activations have {k} features, weight {w.shape} expects {w.in_features}")
+    if out is None:
+        out = np.empty((b, w.out_features), np.float32)
+    xsum = act.sum16 if kind.sub_block == 16 else act.sum32
+    kind.decode(w.data, act.q, act.scale, xsum, out, _tasks())
+    return out
+
+
+def dequantize_weight(
+    w: QuantWeight,
+    first: int = 0,
+    rows: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ``first .. first + rows`` of the weight as ``dtype`` (float32 or bf16)."""
+    n, k = w.shape
+    rows = n - first if rows is None else rows
+    if out is None:
+        out = torch.empty((rows, k), dtype=dtype)
+    if w.is_float:
+        out.copy_(w.float_tensor()[first : first + rows])
+        return out
+    if out.dtype == torch.bfloat16:
+        w.kind.dequant(
+            w.data,
+            first,
+            np.empty((0, k), np.float32),
+            out.view(torch.int16).numpy().view(np.uint16),
+            _tasks(),
+        )
+    elif out.dtype == torch.float32:
+        w.kind.dequant(w.data, first, out.numpy(), np.empty((0, k), np.uint16), _tasks())
+    else:
+        raise ValueError(f"dequantize_weight: dtype must be float32 or bfloat16, got {out.dtype}")
+    return out
+
+
+def prefill_tile_rows(k: int, dtype: torch.dtype) -> int:
+    """Rows per tile for in_features ``k``: :data:`PREFILL_TILE_BYTES`, a multiple of 64."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(64, PREFILL_TILE_BYTES // (k * itemsize) // 64 * 64)
+
+
+def prefill_matmul(
+    x: torch.Tensor, w: QuantWeight, tile_rows: int | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """float32 ``[B, N]`` through dequantized weight tiles and torch's GEMM."""
+    dtype = dtype or prefill_dtype()
+    n, k = w.shape
+    tile_rows = tile_rows or prefill_tile_rows(k, dtype)
+    xd = x.to(dtype)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    buf = torch.empty((min(tile_rows, n), k), dtype=dtype)
+    for first in range(0, n, tile_rows):
+        rows = min(tile_rows, n - first)
+        tile = dequantize_weight(w, first, rows, dtype, buf[:rows])
+        # F.linear, not mm(tile, x.t()): a transposed operand made oneDNN 3.6x slower here
+        out[:, first : first + rows] = F.linear(xd, tile)
+    return out
+
+
+def _float_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    wt = w.float_tensor()
+    if w.qtype == GGMLQuantizationType.F32:
+        return F.linear(x, wt)
+    return F.linear(x.to(wt.dtype), wt).float()
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """``x @ W.T`` for float32 ``x [B, K]``: float32 ``[B, N]`` (see the module docstring)."""
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"quant_matmul: x must be [B, {w.in_features}], got {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError("quant_matmul runs on CPU tensors")
+    if w.is_float:
+        return _float_matmul(x.float(), w)
+    if x.shape[0] > DECODE_MAX_ROWS:
+        return prefill_matmul(x, w)
+    act = quantize_activations(x.detach().float().numpy())
+    return torch.from_numpy(decode_matmul(act, w))
+
+
+# The block types of the common K-quant mixes (Q4_K_M, Q5_K_M: Q4_K/Q5_K with Q6_K, Q8_0
+# and Q5_0 tensors): what an installer would compile ahead.
+COMMON_TYPES = (
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_K,
+)
+
+
+def warm_up(qtypes=COMMON_TYPES) -> None:
+    """Compile (or load from numba's cache) the decode and dequantize kernels of
+    ``qtypes``: a few seconds per type the first time on a 2-core machine, then a fraction
+    of a second from the cache."""
+    from kernels.quant.registry import quant_type
+
+    for qtype in qtypes:
+        kind = quant_type(qtype)
+        k = 256
+        raw = np.zeros((1, kind.row_bytes(k)), np.uint8)
+        w = QuantWeight.from_raw(raw, qtype, (1, k))
+        decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
+        dequantize_weight(w, dtype=torch.bfloat16)
+        dequantize_weight(w, dtype=torch.float32)

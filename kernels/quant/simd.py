@@ -1,0 +1,642 @@
+"""The one SIMD primitive every block-quantized kernel shares, written in LLVM IR.
+
+numba carries its own LLVM, so explicit vector code needs no compiler on the user's
+machine: :func:`scaled_dot` is a numba ``@intrinsic`` whose body is built here with
+llvmlite. Measured on LLVM 22 (numba 0.68): numba's auto-vectorizer widens byte products
+to 64-bit lanes (``vpmuldq`` on ``vpmovsxbq``), about a tenth of what the hardware does;
+the generic IR ``reduce.add(mul(zext u8, sext s8))`` *is* matched to ``vpdpbusd`` but only
+as a full reduction, which costs a horizontal sum per sub-block. So the fast paths call the
+x86 instructions by name, and the generic path states the same arithmetic in plain IR.
+
+``scaled_dot`` computes, in float32, for up to 4 activation rows at once,
+
+    sum_i  fw[i // sw] * fx[i // sx] * c[i] * x[i]          for i in [0, k)
+
+where ``c`` are ``k`` weight codes (uint8, or int8 when ``signed``), ``x`` the ``k`` int8
+activations (never -128), ``fw`` / ``fx`` float32 scales per ``sw`` / ``sx`` elements, all
+given as addresses. ``k`` is a multiple of 32; ``sw`` is 16 or 32, ``sx`` 32 or 256.
+Integer products are exact; each group of 4 products becomes one float and is scaled and
+accumulated in float32 (two vector accumulators, one horizontal sum at the end). No float
+operation carries fast-math flags: explicit ``llvm.fma`` and a fixed summation tree give
+the same bits from a fresh compile and from numba's on-disk cache (measured: with
+reassociation allowed the two differed in the last bits).
+
+Instruction sets (:data:`HOST_ISA`, chosen once from the CPU's features):
+
+* ``avx512vnni``: ``vpdpbusd`` on zmm (Ice Lake and later Xeons, Sapphire Rapids, Zen 4).
+* ``avxvnni``: ``vpdpbusd`` on ymm (AVX-VNNI: Alder Lake and later cores without AVX-512).
+* ``avx2``: ``vpmaddubsw`` + ``vpmaddwd`` (Haswell and later, Zen 1-3). Unsigned codes
+  must stay below 128 (``vpmaddubsw`` saturates pairs at 2^15); every GGUF type's
+  unsigned codes do (at most 63), and int8 codes go through the sign trick instead.
+* ``generic``: the same sums in target-independent IR, for anything else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+__all__ = [
+    "HOST_ISA",
+    "ISA_CODES",
+    "ISAS",
+    "bitfield",
+    "bitplane",
+    "expand_codes",
+    "f16_to_f32",
+    "float_dot",
+    "prefetch",
+    "quantize32",
+    "host_isa",
+    "scaled_dot",
+]
+
+ISAS = ("generic", "avx2", "avxvnni", "avx512vnni")
+ISA_CODES = {name: code for code, name in enumerate(ISAS)}
+_ISA_ENV = "FOLIO_QUANT_ISA"  # force a lower ISA (tests of the AVX2 / generic paths)
+
+I8, I16, I32, I64, F32 = (
+    ir.IntType(8),
+    ir.IntType(16),
+    ir.IntType(32),
+    ir.IntType(64),
+    ir.FloatType(),
+)
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _features() -> set[str]:
+    return {name for name, on in llvm.get_host_cpu_features().items() if on}
+
+
+def host_isa(features: set[str] | None = None) -> str:
+    """The best instruction set of :data:`ISAS` that this CPU (or ``features``) has."""
+    f = _features() if features is None else features
+    if {"avx512vnni", "avx512bw", "avx512vl"} <= f:
+        best = "avx512vnni"
+    elif "avxvnni" in f or {"avx512vnni", "avx512vl"} <= f:
+        best = "avxvnni"
+    elif "avx2" in f:
+        best = "avx2"
+    else:
+        best = "generic"
+    forced = os.environ.get(_ISA_ENV)
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{_ISA_ENV}={forced!r}: expected one of {ISAS}")
+        if ISA_CODES[forced] > ISA_CODES[best]:
+            raise ValueError(f"{_ISA_ENV}={forced!r}: this CPU supports at most {best}")
+        best = forced
+    return best
+
+
+HOST_ISA = host_isa()
+HAS_F16C = "f16c" in _features()
+
+
+# ---- fp16 -> fp32 ------------------------------------------------------------------------
+
+
+@intrinsic
+def f16_to_f32(typingctx, bits):
+    """IEEE half (as its uint16 bit pattern) -> float32: ``vcvtph2ps`` where the CPU has
+    F16C (every AVX2 CPU); callers use :func:`kernels.quant.blocks.half` which falls back
+    to integer code elsewhere."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
+
+    return sig, codegen
+
+
+# ---- the scaled dot product --------------------------------------------------------------
+
+
+def _fn(builder, name: str, ret: ir.Type, params: list[ir.Type]):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+
+
+def _mask(n_out: int, n_in: int) -> ir.Constant:
+    """Shuffle mask that repeats each of ``n_in`` lanes ``n_out // n_in`` times."""
+    rep = n_out // n_in
+    return ir.Constant(_vec(I32, n_out), [i // rep for i in range(n_out)])
+
+
+def _expand(builder, v, n_in: int, n_out: int):
+    if n_in == n_out:
+        return v
+    return builder.shuffle_vector(v, ir.Constant(_vec(F32, n_in), ir.Undefined), _mask(n_out, n_in))
+
+
+def _load_scales(builder, addr, count: int):
+    """``count`` float32 at ``addr`` as a vector (unaligned)."""
+    if count == 1:
+        s = builder.load(builder.inttoptr(addr, ir.PointerType(F32)), align=4)
+        return builder.insert_element(ir.Constant(_vec(F32, 1), ir.Undefined), s, I32(0))
+    return builder.load(builder.inttoptr(addr, ir.PointerType(_vec(F32, count))), align=4)
+
+
+def _lane_scales(builder, w, nw: int, fx, off, width: int, sw: int, sx: int):
+    """float32 <width/4> vector: for the 4-element lane j of the ``width`` elements at
+    element offset ``off``, fw[(off + 4j) // sw] * fx[(off + 4j) // sx], where ``w`` holds
+    the ``nw`` weight scales of those elements (loaded once for all rows)."""
+    lanes = width // 4
+    nx = max(1, width // sx)
+    x = _load_scales(builder, builder.add(fx, builder.mul(builder.udiv(off, I64(sx)), I64(4))), nx)
+    n = max(nw, nx)
+    prod = builder.fmul(_expand(builder, w, nw, n), _expand(builder, x, nx, n))
+    return _expand(builder, prod, n, lanes)
+
+
+def _abs_sign(builder, c, x, n: int):
+    """(|c| as uint8, x * sign(c)): a signed product as unsigned x signed (x != -128)."""
+    zero = ir.Constant(_vec(I8, n), None)
+    mag = builder.call(
+        _fn(builder, f"llvm.abs.v{n}i8", _vec(I8, n), [_vec(I8, n), ir.IntType(1)]),
+        [c, ir.IntType(1)(0)],
+    )
+    neg = builder.icmp_signed("<", c, zero)
+    xs = builder.select(neg, builder.sub(zero, x), x)
+    xs = builder.select(builder.icmp_signed("==", c, zero), zero, xs)
+    return mag, xs
+
+
+def _dot4(builder, isa: str, c, x, n: int, signed: bool):
+    """<n x i8> codes and activations -> <n/4 x i32>, lane j = sum of products 4j..4j+3."""
+    if isa == "generic":
+        if signed:
+            c, x = _abs_sign(builder, c, x, n)
+        p = builder.mul(builder.zext(c, _vec(I32, n)), builder.sext(x, _vec(I32, n)))
+        undef = ir.Constant(_vec(I32, n), ir.Undefined)
+        parts = [
+            builder.shuffle_vector(
+                p, undef, ir.Constant(_vec(I32, n // 4), [4 * j + r for j in range(n // 4)])
+            )
+            for r in range(4)
+        ]
+        return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    if isa == "avx512vnni" or (isa == "avxvnni" and n == 32):
+        if signed:
+            c, x = _abs_sign(builder, c, x, n)
+        t = _vec(I32, n // 4)
+        bits = 512 if n == 64 else 256
+        dp = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{bits}", t, [t, t, t])
+        return builder.call(
+            dp, [ir.Constant(t, None), builder.bitcast(c, t), builder.bitcast(x, t)]
+        )
+    if n == 64:  # 256-bit ISAs: two halves
+        lo = [ir.Constant(_vec(I32, 32), list(range(32)))]
+        hi = [ir.Constant(_vec(I32, 32), list(range(32, 64)))]
+        undef = ir.Constant(_vec(I8, 64), ir.Undefined)
+        a = _dot4(
+            builder,
+            isa,
+            builder.shuffle_vector(c, undef, lo[0]),
+            builder.shuffle_vector(x, undef, lo[0]),
+            32,
+            signed,
+        )
+        b = _dot4(
+            builder,
+            isa,
+            builder.shuffle_vector(c, undef, hi[0]),
+            builder.shuffle_vector(x, undef, hi[0]),
+            32,
+            signed,
+        )
+        return builder.shuffle_vector(a, b, ir.Constant(_vec(I32, 16), list(range(16))))
+    # avx2, 32 bytes
+    v32, v16s = _vec(I8, 32), _vec(I16, 16)
+    if signed:
+        sign = _fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        x = builder.call(sign, [x, c])
+        c = builder.call(
+            _fn(builder, "llvm.abs.v32i8", v32, [v32, ir.IntType(1)]), [c, ir.IntType(1)(0)]
+        )
+    pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [v32, v32]), [c, x])
+    ones = ir.Constant(v16s, [1] * 16)
+    return builder.call(
+        _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [v16s, v16s]), [pairs, ones]
+    )
+
+
+def _literal(t, allowed) -> int | None:
+    if isinstance(t, types.IntegerLiteral) and t.literal_value in allowed:
+        return t.literal_value
+    if isinstance(t, types.BooleanLiteral) and t.literal_value in allowed:
+        return int(t.literal_value)
+    return None
+
+
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (``llvm.fma``): the same bits whatever the code generator
+    decides, where a contractible fmul + fadd may or may not be fused."""
+    n = a.type.count
+    fn = _fn(builder, f"llvm.fma.v{n}f32", a.type, [a.type, a.type, a.type])
+    return builder.call(fn, [a, b, c])
+
+
+def _tree_sum(builder, v):
+    """Sum of a float vector's lanes by halving (a fixed order, unlike ``reduce.fadd``
+    with reassociation, which numba's JIT and its on-disk cache compile differently)."""
+    n = v.type.count
+    while n > 1:
+        half = n // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(_vec(I32, half), list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(_vec(I32, half), list(range(half, n))))
+        v = builder.fadd(lo, hi)
+        n = half
+    return builder.extract_element(v, I32(0))
+
+
+@intrinsic
+def scaled_dot(typingctx, c, x, x_step, fw, fx, fx_step, k, out, rows, isa, sw, sx, signed):
+    """For ``r < rows``: ``out[r]`` (float32 at address ``out``) = the scaled dot product of
+    the module docstring between the codes at ``c`` and the activation row ``r`` at
+    ``x + r * x_step`` with its scales at ``fx + r * fx_step``. Each code chunk is loaded
+    once for all ``rows``; each row's arithmetic is the same whatever ``rows`` is, so its
+    result is too (batch invariance). ``rows`` (1, 2 or 4), ``isa`` (an :data:`ISA_CODES`
+    value), ``sw``, ``sx`` and ``signed`` must be compile-time constants."""
+    lit = (
+        _literal(rows, (1, 2, 4)),
+        _literal(isa, range(len(ISAS))),
+        _literal(sw, (16, 32)),
+        _literal(sx, (32, 256)),
+        _literal(signed, (0, 1)),
+    )
+    if any(v is None for v in lit):
+        return None  # numba retries with literal argument types
+    n_rows, isa_name, sw_v, sx_v, signed_v = lit[0], ISAS[lit[1]], lit[2], lit[3], bool(lit[4])
+    u, i = types.uintp, types.intp
+    sig = types.void(u, u, i, u, u, i, i, u, rows, isa, sw, sx, signed)
+
+    def codegen(context, builder, signature, args):
+        c_a, x_a, x_step, fw_a, fx_a, fx_step, k_v, out_a = args[:8]
+        x_rows = [builder.add(x_a, builder.mul(x_step, I64(r))) for r in range(n_rows)]
+        fx_rows = [builder.add(fx_a, builder.mul(fx_step, I64(r))) for r in range(n_rows)]
+
+        def step(accs, at, width):
+            vt = ir.PointerType(_vec(I8, width))
+            cv = builder.load(builder.inttoptr(builder.add(c_a, at), vt), align=1)
+            lanes = width // 4
+            nw = max(1, width // sw_v)
+            wv = _load_scales(
+                builder, builder.add(fw_a, builder.mul(builder.udiv(at, I64(sw_v)), I64(4))), nw
+            )
+            for r in range(n_rows):
+                xv = builder.load(builder.inttoptr(builder.add(x_rows[r], at), vt), align=1)
+                dots = builder.sitofp(
+                    _dot4(builder, isa_name, cv, xv, width, signed_v), _vec(F32, lanes)
+                )
+                scales = _lane_scales(builder, wv, nw, fx_rows[r], at, width, sw_v, sx_v)
+                builder.store(_fma(builder, dots, scales, builder.load(accs[r])), accs[r])
+
+        def accumulators(width):
+            return [
+                cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, width), None))
+                for _ in range(n_rows)
+            ]
+
+        # per row two accumulators: consecutive 64-element chunks alternate (FMA latency)
+        acc0, acc1, acc8 = accumulators(16), accumulators(16), accumulators(8)
+        pairs = builder.udiv(k_v, I64(128))
+        with cgutils.for_range(builder, pairs) as loop:
+            off = builder.mul(loop.index, I64(128))
+            step(acc0, off, 64)
+            step(acc1, builder.add(off, I64(64)), 64)
+        rest = builder.sub(k_v, builder.mul(pairs, I64(128)))
+        with builder.if_then(builder.icmp_unsigned(">=", rest, I64(64))):
+            step(acc0, builder.mul(pairs, I64(128)), 64)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(rest, I64(63)), I64(0))):
+            step(acc8, builder.sub(k_v, I64(32)), 32)
+        for r in range(n_rows):
+            total = _tree_sum(builder, builder.fadd(builder.load(acc0[r]), builder.load(acc1[r])))
+            total = builder.fadd(total, _tree_sum(builder, builder.load(acc8[r])))
+            dst = builder.inttoptr(builder.add(out_a, I64(4 * r)), ir.PointerType(F32))
+            builder.store(total, dst, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def float_dot(typingctx, a, b, n):
+    """``sum_i a[i] * b[i]`` over ``n`` float32 at the addresses ``a``, ``b``, in a fixed
+    order (16 lanes, then a scalar tail): the offset terms ``sum_s fo[s] * xsum[s]``."""
+    sig = types.float32(types.uintp, types.uintp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a_a, b_a, n_v = args
+        v16 = _vec(F32, 16)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16, None))
+        chunks = builder.udiv(n_v, I64(16))
+        with cgutils.for_range(builder, chunks) as loop:
+            off = builder.mul(loop.index, I64(64))
+            va = builder.load(builder.inttoptr(builder.add(a_a, off), ir.PointerType(v16)), align=4)
+            vb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(v16)), align=4)
+            builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
+        tail = cgutils.alloca_once_value(builder, F32(0.0))
+        fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
+        with cgutils.for_range(builder, n_v, start=builder.mul(chunks, I64(16))) as loop:
+            off = builder.mul(loop.index, I64(4))
+            sa = builder.load(builder.inttoptr(builder.add(a_a, off), ir.PointerType(F32)), align=4)
+            sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
+            builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
+        return builder.fadd(_tree_sum(builder, builder.load(acc)), builder.load(tail))
+
+    return sig, codegen
+
+
+# ---- byte-parallel unpacking -------------------------------------------------------------
+#
+# numba cannot tell LLVM that a weight row and the codes buffer do not overlap, so its
+# unpack loops stay scalar (measured: 241 ns per Q4_K block, against 10 ns for the dot).
+# These two state the vector operation directly; LLVM lowers them for any target.
+
+
+@intrinsic
+def bitfield(typingctx, dst, src, n, shift, mask, lshift, accumulate):
+    """``dst[i] (|)= ((src[i] >> shift) & mask) << lshift`` for ``i < n`` (bytes at the
+    addresses ``dst``, ``src``); ``n`` (16, 32 or 64) and ``accumulate`` (or into ``dst``
+    instead of storing) are compile-time constants, the rest may vary."""
+    width = _literal(n, (16, 32, 64))
+    acc = _literal(accumulate, (0, 1))
+    if width is None or acc is None:
+        return None
+    sig = types.void(types.uintp, types.uintp, n, types.intp, types.intp, types.intp, accumulate)
+
+    def codegen(context, builder, signature, args):
+        d, s, _, sh, mk, lsh, _ = args
+        vt = _vec(I8, width)
+        ptr_d = builder.inttoptr(d, ir.PointerType(vt))
+        v = builder.load(builder.inttoptr(s, ir.PointerType(vt)), align=1)
+
+        def splat(value):
+            one = builder.insert_element(
+                ir.Constant(vt, ir.Undefined), builder.trunc(value, I8), I32(0)
+            )
+            return builder.shuffle_vector(
+                one, ir.Constant(vt, ir.Undefined), ir.Constant(_vec(I32, width), [0] * width)
+            )
+
+        v = builder.shl(builder.and_(builder.lshr(v, splat(sh)), splat(mk)), splat(lsh))
+        if acc:
+            v = builder.or_(builder.load(ptr_d, align=1), v)
+        builder.store(v, ptr_d, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def bitplane(typingctx, dst, src, value):
+    """``dst[i] |= value`` where bit ``i`` of the 4 little-endian bytes at ``src`` is set,
+    for ``i < 32`` (the high bits of Q5_0 / Q5_1)."""
+    sig = types.void(types.uintp, types.uintp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, s, val = args
+        v32 = _vec(I8, 32)
+        four = builder.load(builder.inttoptr(s, ir.PointerType(_vec(I8, 4))), align=1)
+        spread = builder.shuffle_vector(
+            four,
+            ir.Constant(_vec(I8, 4), ir.Undefined),
+            ir.Constant(_vec(I32, 32), [i // 8 for i in range(32)]),
+        )
+        bits = ir.Constant(v32, [1 << (i % 8) for i in range(32)])
+        on = builder.icmp_unsigned("!=", builder.and_(spread, bits), ir.Constant(v32, None))
+        one = builder.insert_element(ir.Constant(v32, ir.Undefined), builder.trunc(val, I8), I32(0))
+        vals = builder.shuffle_vector(
+            one, ir.Constant(v32, ir.Undefined), ir.Constant(_vec(I32, 32), [0] * 32)
+        )
+        ptr_d = builder.inttoptr(d, ir.PointerType(v32))
+        add = builder.select(on, vals, ir.Constant(v32, None))
+        builder.store(builder.or_(builder.load(ptr_d, align=1), add), ptr_d, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Sub-block scales: the integer field of each lane, gathered from the block's scale bytes
+# (``n_bytes`` read exactly, never past the block), then ``dst[j] = float(field[j]) * mul``.
+# One entry per packing: (lanes, bytes read, gather index per lane / part, shift, mask,
+# left shift) for up to two parts or-ed together, then a signed bias and signedness.
+SCALE_KINDS = {
+    # Q6_K: 16 int8 scales
+    "i8": (16, 16, [(list(range(16)), [0] * 16, [255] * 16, [0] * 16)], 0, True),
+    # Q2_K: low / high nibbles of 16 bytes
+    "lo4": (16, 16, [(list(range(16)), [0] * 16, [15] * 16, [0] * 16)], 0, False),
+    "hi4": (16, 16, [(list(range(16)), [4] * 16, [15] * 16, [0] * 16)], 0, False),
+    # Q4_K / Q5_K: 8 six-bit scales and mins in 12 bytes (gguf.quants.Q4_K.get_scale_min)
+    "k4_scale": (
+        8,
+        12,
+        [
+            ([0, 1, 2, 3, 8, 9, 10, 11], [0] * 8, [63] * 4 + [15] * 4, [0] * 8),
+            ([0, 1, 2, 3, 0, 1, 2, 3], [0] * 4 + [6] * 4, [0] * 4 + [3] * 4, [0] * 4 + [4] * 4),
+        ],
+        0,
+        False,
+    ),
+    "k4_min": (
+        8,
+        12,
+        [
+            ([4, 5, 6, 7, 8, 9, 10, 11], [0] * 4 + [4] * 4, [63] * 4 + [15] * 4, [0] * 8),
+            ([4, 5, 6, 7, 4, 5, 6, 7], [0] * 4 + [6] * 4, [0] * 4 + [3] * 4, [0] * 4 + [4] * 4),
+        ],
+        0,
+        False,
+    ),
+    # Q3_K: 16 six-bit scales in 12 bytes, stored with a bias of 32
+    "k3_scale": (
+        16,
+        12,
+        [
+            ([i % 8 for i in range(16)], [4 * (i // 8) for i in range(16)], [15] * 16, [0] * 16),
+            ([8 + i % 4 for i in range(16)], [2 * (i // 4) for i in range(16)], [3] * 16, [4] * 16),
+        ],
+        32,
+        False,
+    ),
+}
+SCALE_KIND_CODES = {name: code for code, name in enumerate(SCALE_KINDS)}
+
+
+@intrinsic
+def scale_lanes(typingctx, dst, src, kind, mul):
+    """float32 ``dst[j] = field_kind(bytes at src)[j] * mul`` (see :data:`SCALE_KINDS`;
+    ``kind`` is a compile-time :data:`SCALE_KIND_CODES` value)."""
+    code = _literal(kind, range(len(SCALE_KINDS)))
+    if code is None:
+        return None
+    lanes, n_bytes, parts, bias, signed = SCALE_KINDS[list(SCALE_KINDS)[code]]
+    sig = types.void(types.uintp, types.uintp, kind, types.float32)
+
+    def codegen(context, builder, signature, args):
+        d, s, _, mul = args
+        raw = builder.load(builder.inttoptr(s, ir.PointerType(_vec(I8, n_bytes))), align=1)
+        vi = _vec(I32, lanes)
+        undef = ir.Constant(_vec(I8, n_bytes), ir.Undefined)
+        field = ir.Constant(vi, None)
+        for index, shift, mask, lshift in parts:
+            g = builder.shuffle_vector(raw, undef, ir.Constant(_vec(I32, lanes), index))
+            g = builder.sext(g, vi) if signed else builder.zext(g, vi)
+            if not signed:
+                g = builder.and_(builder.lshr(g, ir.Constant(vi, shift)), ir.Constant(vi, mask))
+            field = builder.or_(field, builder.shl(g, ir.Constant(vi, lshift)))
+        if bias:
+            field = builder.sub(field, ir.Constant(vi, [bias] * lanes))
+        vf = _vec(F32, lanes)
+        f = builder.sitofp(field, vf)
+        m1 = builder.insert_element(ir.Constant(vf, ir.Undefined), mul, I32(0))
+        m = builder.shuffle_vector(
+            m1, ir.Constant(vf, ir.Undefined), ir.Constant(_vec(I32, lanes), [0] * lanes)
+        )
+        builder.store(builder.fmul(f, m), builder.inttoptr(d, ir.PointerType(vf)), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def expand_codes(typingctx, dst, codes, fw, fo, k, sw, signed, to_bf16):
+    """``w[i] = fw[i // sw] * codes[i] + fo[i // sw]`` for ``i < k`` (``fo`` ignored when
+    ``signed``), stored at ``dst`` as float32, or as bf16 bit patterns rounded to nearest
+    even when ``to_bf16`` (``Tensor.to(torch.bfloat16)``'s rounding; NaN is not expected in
+    dequantized weights). A multiply then an add, each rounded, as ``gguf.quants`` does."""
+    lit = (_literal(sw, (16, 32)), _literal(signed, (0, 1)), _literal(to_bf16, (0, 1)))
+    if any(v is None for v in lit):
+        return None
+    sw_v, signed_v, bf16_v = lit
+    sig = types.void(
+        types.uintp, types.uintp, types.uintp, types.uintp, types.intp, sw, signed, to_bf16
+    )
+
+    def codegen(context, builder, signature, args):
+        d_a, c_a, fw_a, fo_a, k_v = args[:5]
+        v16f, v16i = _vec(F32, 16), _vec(I32, 16)
+
+        def splat(addr):
+            s = builder.load(builder.inttoptr(addr, ir.PointerType(F32)), align=4)
+            one = builder.insert_element(ir.Constant(v16f, ir.Undefined), s, I32(0))
+            return builder.shuffle_vector(
+                one, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16)
+            )
+
+        with cgutils.for_range(builder, builder.udiv(k_v, I64(16))) as loop:
+            g = loop.index
+            c = builder.load(
+                builder.inttoptr(
+                    builder.add(c_a, builder.mul(g, I64(16))), ir.PointerType(_vec(I8, 16))
+                ),
+                align=1,
+            )
+            v = builder.sitofp(builder.sext(c, v16i) if signed_v else builder.zext(c, v16i), v16f)
+            sub = builder.udiv(builder.mul(g, I64(16)), I64(sw_v))
+            val = builder.fmul(v, splat(builder.add(fw_a, builder.mul(sub, I64(4)))))
+            if not signed_v:
+                val = builder.fadd(val, splat(builder.add(fo_a, builder.mul(sub, I64(4)))))
+            if bf16_v:
+                u = builder.bitcast(val, v16i)
+                lsb = builder.and_(
+                    builder.lshr(u, ir.Constant(v16i, [16] * 16)), ir.Constant(v16i, [1] * 16)
+                )
+                r = builder.lshr(
+                    builder.add(builder.add(u, ir.Constant(v16i, [0x7FFF] * 16)), lsb),
+                    ir.Constant(v16i, [16] * 16),
+                )
+                out = builder.trunc(r, _vec(I16, 16))
+                ptr = builder.inttoptr(
+                    builder.add(d_a, builder.mul(g, I64(32))), ir.PointerType(_vec(I16, 16))
+                )
+            else:
+                out = val
+                ptr = builder.inttoptr(
+                    builder.add(d_a, builder.mul(g, I64(64))), ir.PointerType(v16f)
+                )
+            builder.store(out, ptr, align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def quantize32(typingctx, x, q, out):
+    """One activation block: the 32 float32 at ``x`` to int8 at ``q``,
+    ``q = clamp(rint(x * 127 / amax), -127, 127)``; writes float32
+    ``[d, d * sum(q[:16]), d * sum(q[16:]), d * sum(q)]`` at ``out`` with ``d = amax / 127``
+    (numba's ``np.rint`` is a libm call per element)."""
+    sig = types.void(types.uintp, types.uintp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        x_a, q_a, o_a = args
+        v32f, v32i = _vec(F32, 32), _vec(I32, 32)
+        v = builder.load(builder.inttoptr(x_a, ir.PointerType(v32f)), align=4)
+        mag = builder.call(_fn(builder, "llvm.fabs.v32f32", v32f, [v32f]), [v])
+        amax = builder.call(_fn(builder, "llvm.vector.reduce.fmax.v32f32", F32, [v32f]), [mag])
+        d = builder.fdiv(amax, F32(127.0))
+        positive = builder.fcmp_ordered(">", amax, F32(0.0))
+        inv = builder.select(positive, builder.fdiv(F32(127.0), amax), F32(0.0))
+        one = builder.insert_element(ir.Constant(v32f, ir.Undefined), inv, I32(0))
+        invv = builder.shuffle_vector(
+            one, ir.Constant(v32f, ir.Undefined), ir.Constant(v32i, [0] * 32)
+        )
+        r = builder.call(_fn(builder, "llvm.rint.v32f32", v32f, [v32f]), [builder.fmul(v, invv)])
+        i = builder.fptosi(r, v32i)
+        i = builder.call(
+            _fn(builder, "llvm.smax.v32i32", v32i, [v32i, v32i]),
+            [i, ir.Constant(v32i, [-127] * 32)],
+        )
+        i = builder.call(
+            _fn(builder, "llvm.smin.v32i32", v32i, [v32i, v32i]), [i, ir.Constant(v32i, [127] * 32)]
+        )
+        builder.store(
+            builder.trunc(i, _vec(I8, 32)),
+            builder.inttoptr(q_a, ir.PointerType(_vec(I8, 32))),
+            align=1,
+        )
+        v16i = _vec(I32, 16)
+        add16 = _fn(builder, "llvm.vector.reduce.add.v16i32", I32, [v16i])
+        s0 = builder.call(add16, [builder.shuffle_vector(i, i, ir.Constant(v16i, list(range(16))))])
+        s1 = builder.call(
+            add16, [builder.shuffle_vector(i, i, ir.Constant(v16i, list(range(16, 32))))]
+        )
+        values = [d] + [
+            builder.fmul(d, builder.sitofp(s, F32)) for s in (s0, s1, builder.add(s0, s1))
+        ]
+        for j, val in enumerate(values):
+            builder.store(
+                val, builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32)), align=4
+            )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, addr, nbytes):
+    """Ask for the ``nbytes`` at ``addr`` to be brought into cache (``prefetcht0`` per
+    64-byte line): the next weight row, while this one is unpacked and dotted."""
+    sig = types.void(types.uintp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a, n = args
+        fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(I8), I32, I32, I32])
+        with cgutils.for_range(builder, builder.udiv(builder.add(n, I64(63)), I64(64))) as loop:
+            p = builder.inttoptr(
+                builder.add(a, builder.mul(loop.index, I64(64))), ir.PointerType(I8)
+            )
+            builder.call(fn, [p, I32(0), I32(3), I32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,380 @@
+"""kernels.quant: matmuls on GGUF block bytes against the gguf package's dequantizer.
+
+Tolerances (the decode kernels quantize activations to int8 per 32, as llama.cpp does):
+
+* Against ``reference_matmul`` (the gguf dequantizer times the *same* int8 activations, in
+  float64) only float32 rounding separates the two: integer products are exact, and each
+  4-element lane sum is scaled by ``fw * fx`` (two roundings) and accumulated by FMA over
+  at most K / 64 steps per lane, then summed over 32 lanes. With unit roundoff u = 2^-24
+  that bounds the error by about (K / 64 + 8) u times sum |w x| (|x| the quantized
+  activations): ``FP32_REL`` allows 1e-5 * sum |w x|, eight times that bound at K = 1024.
+* Against the float activations, the rounding of x to int8 adds at most half a step per
+  element: |x - x_q| <= amax_block / 254, so |y - y_q| <= sum_blocks (amax / 254) *
+  sum |w| over the block (``int8_bound``), checked as a hard bound.
+* Prefill multiplies bf16 weights and activations (8-bit mantissas): each product is off
+  by at most about 2^-8 relative, so 1e-2 * sum |w x|.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
+
+from kernels.quant import (
+    DECODE_MAX_ROWS,
+    FLOAT_TYPES,
+    HOST_ISA,
+    QUANT_TYPES,
+    QuantWeight,
+    decode_matmul,
+    dequantize_weight,
+    prefill_matmul,
+    quant_matmul,
+    quant_type,
+    quantize_activations,
+)
+from kernels.quant.bench import random_blocks
+from kernels.quant.reference import reference_dequantize, reference_matmul
+from kernels.quant.simd import ISA_CODES
+
+Q = GGMLQuantizationType
+TYPES = list(QUANT_TYPES)
+GGUF_QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+FP32_REL = 1e-5
+BF16_REL = 1e-2
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _k_values(qtype) -> list[int]:
+    """Row lengths: for blocks of 32, one that leaves a 32-element tail after the
+    128-element pairs of the dot product (K % 64 == 32) and one with a 64 tail."""
+    return [256, 768] if GGML_QUANT_SIZES[qtype][0] == 256 else [96, 544, 320]
+
+
+def _weight(qtype, n, k, seed, source="random"):
+    rng = np.random.default_rng(seed)
+    if source == "gguf":
+        raw = gq.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype).reshape(
+            n, -1
+        )
+    else:
+        raw = random_blocks(qtype, n, k, rng)
+    return raw, QuantWeight.from_raw(raw, qtype, (n, k))
+
+
+def _abs_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_decode_matches_gguf_dequantizer(qtype):
+    for k in _k_values(qtype):
+        for source in ("random", "gguf") if qtype in GGUF_QUANTIZABLE else ("random",):
+            n = 37  # not a multiple of any task split
+            raw, w = _weight(qtype, n, k, seed=k, source=source)
+            x = np.random.default_rng(k + 1).standard_normal((5, k)).astype(np.float32)
+            act = quantize_activations(x)
+            got = decode_matmul(act, w).astype(np.float64)
+            ref_w = reference_dequantize(raw, qtype, (n, k))
+            ref = reference_matmul(x, raw, qtype, (n, k))
+            scale = _abs_product(act.dequantize(), ref_w)
+            assert np.all(np.abs(got - ref) <= FP32_REL * scale + 1e-30), (qtype.name, k, source)
+            # against float activations: int8 rounding, bounded per 32-element block
+            exact = x.astype(np.float64) @ ref_w.astype(np.float64).T
+            amax = np.abs(x.reshape(5, -1, 32)).max(-1)  # [B, K/32]
+            wsum = np.abs(ref_w.astype(np.float64)).reshape(n, -1, 32).sum(-1)  # [N, K/32]
+            int8_bound = (amax / 254.0) @ wsum.T
+            assert np.all(np.abs(got - exact) <= int8_bound * (1 + 1e-4) + FP32_REL * scale)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_row_is_independent_of_the_batch(qtype):
+    k = _k_values(qtype)[-1]
+    _, w = _weight(qtype, 19, k, seed=3)
+    x = np.random.default_rng(4).standard_normal((DECODE_MAX_ROWS, k)).astype(np.float32)
+    full = decode_matmul(quantize_activations(x), w)
+    # batches that go through the 4-, 2- and 1-row passes in every combination
+    for b in (1, 2, 3, 5, 7, 13):
+        part = decode_matmul(quantize_activations(x[:b]), w)
+        assert np.array_equal(part, full[:b]), b
+    alone = decode_matmul(quantize_activations(x[6:7]), w)
+    assert np.array_equal(alone[0], full[6])
+
+
+def test_result_is_independent_of_the_row_split():
+    kind = quant_type(Q.Q4_K)
+    _, w = _weight(Q.Q4_K, 101, 512, seed=5)
+    act = quantize_activations(
+        np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
+    )
+    outs = []
+    for tasks in (1, 3, 8, 200):
+        out = np.empty((3, 101), np.float32)
+        kind.decode(w.data, act.q, act.scale, act.sum32, out, tasks)
+        outs.append(out)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_gguf(qtype):
+    k = _k_values(qtype)[0]
+    raw, w = _weight(qtype, 21, k, seed=7)
+    ref = reference_dequantize(raw, qtype, (21, k))
+    got = dequantize_weight(w).numpy()
+    # one multiply and one add, each rounded, as gguf does; Q6_K's fold of the -32 into
+    # the offset can move the last bit
+    np.testing.assert_allclose(got, ref, rtol=2.5e-7, atol=0)
+    rows = dequantize_weight(w, first=5, rows=9, dtype=torch.bfloat16)
+    assert torch.equal(rows, torch.from_numpy(got[5:14]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda t: t.name)
+def test_prefill_tiles_match_the_reference(qtype):
+    k = _k_values(qtype)[-1]
+    n = 150
+    raw, w = _weight(qtype, n, k, seed=8)
+    x = torch.from_numpy(
+        np.random.default_rng(9).standard_normal((DECODE_MAX_ROWS + 7, k)).astype(np.float32)
+    )
+    ref_w = reference_dequantize(raw, qtype, (n, k))
+    exact = x.double().numpy() @ ref_w.astype(np.float64).T
+    scale = _abs_product(x.numpy(), ref_w)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = (
+            prefill_matmul(x, w, tile_rows=64, dtype=dtype).double().numpy()
+        )  # 3 tiles, the last short
+        tol = FP32_REL if dtype == torch.float32 else BF16_REL
+        assert np.all(np.abs(got - exact) <= tol * scale), dtype
+    assert torch.equal(quant_matmul(x, w), prefill_matmul(x, w))
+
+
+def test_quant_matmul_picks_decode_up_to_32_rows():
+    raw, w = _weight(Q.Q4_K, 40, 256, seed=10)
+    x = torch.from_numpy(
+        np.random.default_rng(11).standard_normal((DECODE_MAX_ROWS, 256)).astype(np.float32)
+    )
+    got = quant_matmul(x, w)
+    assert got.dtype == torch.float32 and got.shape == (DECODE_MAX_ROWS, 40)
+    assert np.array_equal(got.numpy(), decode_matmul(quantize_activations(x.numpy()), w))
+    with pytest.raises(ValueError):
+        quant_matmul(x[:, :128], w)
+
+
+@pytest.mark.parametrize("qtype", list(FLOAT_TYPES), ids=lambda t: t.name)
+def test_float_types_go_through_torch(qtype):
+    rng = np.random.default_rng(12)
+    dense = torch.from_numpy(rng.standard_normal((24, 64)).astype(np.float32))
+    stored = {Q.F32: dense, Q.F16: dense.half(), Q.BF16: dense.bfloat16()}[qtype]
+    raw = stored.contiguous().view(torch.uint8).numpy().copy()
+    w = QuantWeight.from_raw(raw, qtype, (24, 64))
+    assert np.shares_memory(w.data, raw)
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    expect = x.to(stored.dtype).float() @ stored.float().t()
+    torch.testing.assert_close(quant_matmul(x, w), expect, rtol=1e-2, atol=1e-2)
+
+
+def test_weight_is_a_read_only_view_of_the_file_bytes(tmp_path):
+    raw, _ = _weight(Q.Q6_K, 8, 512, seed=13)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    w = QuantWeight.from_raw(mapped, Q.Q6_K, (8, 512))
+    assert np.shares_memory(w.data, mapped) and not w.data.flags.writeable
+    assert w.data.shape == (8, quant_type(Q.Q6_K).row_bytes(512))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        as_tensor = torch.from_numpy(mapped)
+    assert np.shares_memory(QuantWeight.from_raw(as_tensor, Q.Q6_K, (8, 512)).data, mapped)
+    with pytest.raises(ValueError):
+        QuantWeight.from_raw(mapped[:-1], Q.Q6_K, (8, 512))
+    with pytest.raises(ValueError):
+        quant_type(Q.Q6_K).row_bytes(300)
+
+
+def test_registry_agrees_with_gguf():
+    for qtype, kind in QUANT_TYPES.items():
+        assert (kind.block_size, kind.type_size) == GGML_QUANT_SIZES[qtype]
+        assert kind.block_size % kind.sub_block == 0 or kind.sub_block == kind.block_size
+        assert kind.signed == (qtype == Q.Q8_0)
+    with pytest.raises(KeyError, match="supported"):
+        quant_type(Q.IQ2_XXS)
+
+
+def test_kernels_cache_under_the_isa_and_package_stamp():
+    from kernels.quant._cache import _InTree, _UserWide
+
+    kind = quant_type(Q.Q4_K)
+    impl = kind.decode._cache._impl
+    assert isinstance(impl.locator, _InTree | _UserWide)
+    assert impl.locator.get_cache_path().endswith(f"numba-{HOST_ISA}")
+
+
+_ISA_SCRIPT = """
+import json, sys, numpy as np
+from kernels.quant import HOST_ISA, QuantWeight, decode_matmul, quantize_activations
+from kernels.quant.bench import random_blocks
+from gguf import GGMLQuantizationType as Q
+out = {"isa": HOST_ISA}
+for name, k in (("Q4_K", 512), ("Q8_0", 544)):  # unsigned and signed codes
+    qt = Q[name]
+    w = QuantWeight.from_raw(random_blocks(qt, 23, k, np.random.default_rng(k)), qt, (23, k))
+    x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
+    out[name] = decode_matmul(quantize_activations(x), w).tolist()
+"""
+
+
+def _run_isa(isa: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("FOLIO_QUANT_ISA", None)
+    if isa:
+        env["FOLIO_QUANT_ISA"] = isa
+    if isa is None:  # this process's own ISA
+        scope: dict = {}
+        exec(_ISA_SCRIPT, scope)
+        return json.loads(json.dumps(scope["out"]))
+    script = _ISA_SCRIPT + "print(json.dumps(out))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_isa_path_gives_the_same_bits():
+    """The AVX2 and generic paths (the floor on other machines) against this CPU's best:
+    the same 4-element integer lanes and the same float order, so identical results."""
+    lower = [
+        isa
+        for isa, code in ISA_CODES.items()
+        if code < ISA_CODES[HOST_ISA] and isa in ("avx2", "generic")
+    ]
+    if not lower:
+        pytest.skip(f"this CPU's best ISA is {HOST_ISA}")
+    best = _run_isa(None)
+    for isa in lower:
+        got = _run_isa(isa)
+        assert got.pop("isa") == isa
+        for name, values in got.items():
+            assert values == best[name], (isa, name)
+
+
+@pytest.mark.slow
+def test_real_q4_k_m_file_in_place(gemma3_path):
+    """Every block type of a real Q4_K_M file, read in place from the mapped file (the
+    loader's GGUFFile.tensor_bytes: a read-only view of the mmap)."""
+    from engine.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(gemma3_path)
+    seen = set()
+    rng = np.random.default_rng(14)
+    try:
+        for name, info in gf.tensors.items():
+            qtype = GGMLQuantizationType(info.qtype)
+            if qtype not in QUANT_TYPES or qtype in seen or len(info.shape) != 2:
+                continue
+            seen.add(qtype)
+            n, k = info.shape
+            raw = gf.tensor_bytes(name)
+            w = QuantWeight.from_raw(raw, qtype, (n, k))
+            assert np.shares_memory(w.data, raw)
+            rows = min(n, 512)  # the embedding has 262144: its first rows, still in place
+            part = QuantWeight.from_raw(w.data[:rows], qtype, (rows, k))
+            x = rng.standard_normal((3, k)).astype(np.float32)
+            act = quantize_activations(x)
+            ref_w = reference_dequantize(part.data, qtype, (rows, k))
+            ref = reference_matmul(x, part.data, qtype, (rows, k))
+            got = decode_matmul(act, part)
+            assert np.all(np.abs(got - ref) <= FP32_REL * _abs_product(act.dequantize(), ref_w)), (
+                name
+            )
+    finally:
+        gf.close()
+    assert {Q.Q4_K, Q.Q6_K} <= seen
+
+
+@pytest.mark.parametrize(
+    ("isa", "cpu", "signed", "want", "absent"),
+    [
+        ("avxvnni", "alderlake", False, r"\{vex\}\s+vpdpbusd", "zmm"),  # AVX-VNNI, no AVX-512
+        ("avx512vnni", "znver4", True, r"vpdpbusd\s+%zmm", "vpmaddubsw"),  # AMD with AVX-512
+        ("avx2", "haswell", True, r"vpmaddubsw", "zmm|vpdpbusd"),  # the floor: sign trick
+    ],
+)
+def test_codegen_for_other_cpus(isa, cpu, signed, want, absent):
+    """The ISAs this machine cannot run, compiled for a CPU that has them: the IR numba
+    builds for the dot product, emitted by LLVM for that CPU."""
+    import re
+
+    import llvmlite.binding as llvm
+    import numba
+
+    from kernels.quant.simd import scaled_dot
+
+    code = ISA_CODES[isa]
+
+    @numba.njit
+    def dot(c, x, fw, fx, out):
+        scaled_dot(
+            c.ctypes.data,
+            x.ctypes.data,
+            x.strides[0],
+            fw.ctypes.data,
+            fx.ctypes.data,
+            fx.strides[0],
+            c.shape[0],
+            out.ctypes.data,
+            2,
+            code,
+            32,
+            32,
+            signed,
+        )
+
+    k = 256
+    args = (
+        np.zeros(k, np.uint8),
+        np.zeros((2, k), np.int8),
+        np.zeros(k // 32, np.float32),
+        np.zeros((2, k // 32), np.float32),
+        np.zeros(2, np.float32),
+    )
+    sig = dot.compile(tuple(numba.typeof(a) for a in args))
+    module = llvm.parse_assembly(
+        dot.inspect_llvm(sig.signature if hasattr(sig, "signature") else dot.signatures[0])
+    )
+    machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features="", opt=3)
+    asm = machine.emit_assembly(module)
+    assert re.search(want, asm) and not re.search(absent, asm)
+
+
+def test_integer_fp16_fallback_is_exact():
+    """CPUs without F16C decode the block scales in integer code: every half exactly."""
+    import numba
+
+    from kernels.quant.blocks import _half_soft
+
+    @numba.njit
+    def convert(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = _half_soft(bits[i])
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.shape, np.float32)
+    convert(bits, out)
+    ref = bits.view(np.float16).astype(np.float32)
+    assert np.all((out == ref) | (np.isnan(out) & np.isnan(ref)))
