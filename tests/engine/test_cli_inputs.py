@@ -126,10 +126,13 @@ def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on(chat_model, capsys, mo
 
 
 def test_generate_still_answers(chat_model, capsys):
+    # Sampled without a seed, so a random model may end its reply early on <|im_end|>.
     argv = ["generate", "hi", "--model", str(chat_model), "--max-new-tokens", "3", "--json"]
     code, out, err = folio(argv, capsys)
     assert code == 0 and err == ""
-    assert json.loads(out)["new_tokens"] == 3
+    result = json.loads(out)
+    assert 1 <= result["new_tokens"] <= 3
+    assert result["eos_reason"] in ("max_new_tokens", "stop_token")
 
 
 # -- issue 13, minor: the cache size, symlinks, usage errors -----------------------------------
