@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
@@ -35,7 +35,10 @@ from engine.engine import Engine, EngineSnapshot, JobHandle
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import JobEvent, JobRequest
 from engine.model.loader import LoadedModel
-from engine.server.app import Server, ServerSettings
+from engine.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from engine.server.app import Server
 from gui.worker import TaskRunner, error_text
 
 log = logging.getLogger(__name__)
@@ -405,6 +408,9 @@ class EngineBridge(QObject):
                 if wanted is None or engine is None or not engine.running:
                     return None
                 if self._server is None:
+                    # The HTTP stack is imported when a server first starts, not at app start.
+                    from engine.server.app import Server
+
                     server = Server(engine, wanted)
                     try:
                         server.start()

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.server.app import DEFAULT_HOST, DEFAULT_PORT, ServerSettings, is_loopback
+from engine.server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings, is_loopback
 from gui.bridge import EngineBridge, ServerInfo
 
 ALL_NETWORKS = "0.0.0.0"

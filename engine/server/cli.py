@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.cache.kv_cache import CacheSettings
 from engine.generator.settings import GeneratorSettings
-from engine.server.app import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from engine.server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 
 API_KEY_ENV = "FOLIO_API_KEY"
 
