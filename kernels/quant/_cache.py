@@ -50,34 +50,28 @@ def _ours(py_file: str) -> bool:
         return False
 
 
-class _InTree(InTreeCacheLocator):
+class _OurLocator:
+    """numba's locator, for this package's files only, in a folder per ISA, stamped with
+    the whole package's hash (mixed in before one of numba's locator classes)."""
+
+    def __init__(self, py_func, py_file):
+        super().__init__(py_func, py_file)
+        self._cache_path = os.path.join(self._cache_path, f"numba-{HOST_ISA}")
+
+    def get_source_stamp(self):
+        return _STAMP
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        return super().from_function(py_func, py_file) if _ours(py_file) else None
+
+
+class _InTree(_OurLocator, InTreeCacheLocator):
     """``kernels/quant/__pycache__/numba-<isa>/`` when the package folder is writable."""
 
-    def __init__(self, py_func, py_file):
-        super().__init__(py_func, py_file)
-        self._cache_path = os.path.join(self._cache_path, f"numba-{HOST_ISA}")
 
-    def get_source_stamp(self):
-        return _STAMP
-
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        return super().from_function(py_func, py_file) if _ours(py_file) else None
-
-
-class _UserWide(UserWideCacheLocator):
+class _UserWide(_OurLocator, UserWideCacheLocator):
     """numba's per-user cache folder otherwise (read-only installs)."""
-
-    def __init__(self, py_func, py_file):
-        super().__init__(py_func, py_file)
-        self._cache_path = os.path.join(self._cache_path, f"numba-{HOST_ISA}")
-
-    def get_source_stamp(self):
-        return _STAMP
-
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        return super().from_function(py_func, py_file) if _ours(py_file) else None
 
 
 def install() -> None:
