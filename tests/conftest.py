@@ -40,6 +40,13 @@ def smollm2_int4(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_native(smollm2_path):
+    from engine.model.loader import load_model
+
+    return load_model(smollm2_path, weight_mode="native")
+
+
+@pytest.fixture(scope="session")
 def smollm2_dequant(smollm2_path):
     from engine.model.loader import load_model
 

@@ -31,7 +31,9 @@ def _prompt(vocab: int, n: int) -> torch.Tensor:
 class _Case:
     """One engine under test: `run(prefill, decode)` returns (prefill seconds, decode seconds)."""
 
-    def __init__(self, name: str, weights: str, load_seconds: float, weight_bytes: int, run: Callable):
+    def __init__(
+        self, name: str, weights: str, load_seconds: float, weight_bytes: int, run: Callable
+    ):
         self.name, self.weights = name, weights
         self.load_seconds, self.weight_bytes, self.run = load_seconds, weight_bytes, run
         self.prefill_s: list[float] = []
@@ -42,25 +44,33 @@ def _folio_case(path: Path, mode: str) -> _Case:
     t = time.perf_counter()
     loaded = load_model(path, weight_mode=mode, load_tokenizer=False)
     load_s = time.perf_counter() - t
-    config = loaded.config
 
     cache = KVCache.for_model(loaded, CacheSettings(token_budget=8192))
 
     def run(prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
-        ids = _prompt(config.vocab_size, prefill_tokens)[0].tolist()
-        cache.pages.clear()  # measure prefill, not prefix-cache hits of the last round
-        t0 = time.perf_counter()
-        runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1)
-        token = int(runner.step().argmax())
-        t1 = time.perf_counter()
-        for _ in range(decode_tokens):
-            runner.append(token)
-            token = int(runner.step().argmax())
-        t2 = time.perf_counter()
-        runner.release()
-        return t1 - t0, t2 - t1
+        return prefill_then_decode(loaded, cache, prefill_tokens, decode_tokens)
 
     return _Case("folio", mode, load_s, loaded.weight_bytes, run)
+
+
+def prefill_then_decode(
+    loaded, cache: KVCache, prefill_tokens: int, decode_tokens: int
+) -> tuple[float, float]:
+    """Seconds to prefill a random prompt to its first token, then to decode
+    ``decode_tokens`` greedily, one sequence on ``cache`` (cleared first, so the prompt
+    is computed rather than found)."""
+    ids = _prompt(loaded.config.vocab_size, prefill_tokens)[0].tolist()
+    cache.pages.clear()
+    t0 = time.perf_counter()
+    runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1)
+    token = int(runner.step().argmax())
+    t1 = time.perf_counter()
+    for _ in range(decode_tokens):
+        runner.append(token)
+        token = int(runner.step().argmax())
+    t2 = time.perf_counter()
+    runner.release()
+    return t1 - t0, t2 - t1
 
 
 def _transformers_case(path: Path) -> _Case:
@@ -70,7 +80,9 @@ def _transformers_case(path: Path) -> _Case:
     if path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     model.eval()
     load_s = time.perf_counter() - t
 
@@ -93,7 +105,9 @@ def _transformers_case(path: Path) -> _Case:
 
 def run_forward_bench(args: Namespace) -> None:
     path = args.model
-    cases = [_folio_case(path, mode) for mode in WEIGHT_MODES if not (path.is_dir() and mode == "int4")]
+    cases = [
+        _folio_case(path, mode) for mode in WEIGHT_MODES if not (path.is_dir() and mode == "int4")
+    ]
     if not args.skip_transformers:
         cases.append(_transformers_case(path))
     for case in cases:
@@ -103,8 +117,14 @@ def run_forward_bench(args: Namespace) -> None:
             prefill_s, decode_s = case.run(args.prefill_tokens, args.decode_tokens)
             case.prefill_s.append(prefill_s)
             case.decode_s.append(decode_s)
-    base = {"bench": "forward", "model": path.name, "threads": torch.get_num_threads(),
-            "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "rounds": args.rounds}
+    base = {
+        "bench": "forward",
+        "model": path.name,
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": args.prefill_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds,
+    }
     records = {}
     for case in cases:
         records[case.weights] = {
@@ -122,8 +142,15 @@ def run_forward_bench(args: Namespace) -> None:
         return
     for case in cases[:-1]:
         ours = records[case.weights]
-        _emit({**base, "engine": "ratio", "weights": case.weights, "folio_over_transformers": {
-            "prefill": round(ours["prefill_tokens_per_s"] / ref["prefill_tokens_per_s"], 2),
-            "decode": round(ours["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 2),
-            "load_speedup": round(ref["load_seconds"] / max(ours["load_seconds"], 1e-3), 1),
-        }})
+        _emit(
+            {
+                **base,
+                "engine": "ratio",
+                "weights": case.weights,
+                "folio_over_transformers": {
+                    "prefill": round(ours["prefill_tokens_per_s"] / ref["prefill_tokens_per_s"], 2),
+                    "decode": round(ours["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 2),
+                    "load_speedup": round(ref["load_seconds"] / max(ours["load_seconds"], 1e-3), 1),
+                },
+            }
+        )

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
+
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
@@ -60,9 +62,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument(
         "--weights",
-        choices=("int4", "dequant"),
+        choices=WEIGHT_MODES,
         default=None,
-        help="weight storage (default: int4)",
+        help=f"weight storage (default: {DEFAULT_WEIGHT_MODE}, as the file stores them)",
     )
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument(
@@ -101,6 +103,31 @@ def _build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="interleaved rounds; each figure is the best"
     )
     fwd.add_argument("--skip-transformers", action="store_true")
+    fwd.add_argument(
+        "--shape",
+        choices=(
+            "llama-3.2-1b",
+            "qwen2.5-3b",
+            "qwen2-7b",
+            "llama-3.1-8b",
+            "tiny-llama",
+            "tiny-qwen2",
+        ),
+        help="a random-weight GGUF with this real model's shapes and tensor types "
+        "(written once, cached): load, RSS, prefill, decode, S_TG, GB/s",
+    )
+    fwd.add_argument("--quant", choices=("q4_k_m", "q4_0", "q8_0"), default="q4_k_m")
+    fwd.add_argument("--weights", choices=WEIGHT_MODES, default=DEFAULT_WEIGHT_MODE)
+    fwd.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
+    fwd.add_argument("--tg", type=int, default=128, help="--shape: generated tokens per S_TG case")
+    fwd.add_argument(
+        "--batch", type=int, nargs="+", default=[4, 16], help="--shape: S_TG batch sizes"
+    )
+    fwd.add_argument(
+        "--llama-cpp",
+        type=Path,
+        help="--shape: a folder with llama-bench and llama-batched-bench, run on the same file",
+    )
     cache = bsub.add_parser("cache", help="page table and cache storage speed, KV bytes per token")
     cache.add_argument("--pages", type=int, default=4096)
     cache.add_argument("--page-size", type=int, default=16)
@@ -228,6 +255,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.kv_quant import run_kv_quant_bench
 
         run_kv_quant_bench(args)
+    elif getattr(args, "shape", None):
+        from engine.bench.real_shapes import run_shape_bench
+
+        run_shape_bench(args)
     else:
         from engine.bench.forward import run_forward_bench
 

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType, LlamaFileType
 
 from engine.model.config import SUPPORTED_ARCHITECTURES
 from engine.model.gguf_file import GGUFError, GGUFFile, TensorInfo, read_header
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE
 
 __all__ = [
     "GGUFSummary",
@@ -195,8 +196,12 @@ def _int4_type_ids() -> frozenset[int]:
     return frozenset(int(t) for t in INT4_TYPES)
 
 
-def estimate_weight_bytes(tensors: list[TensorInfo], weight_mode: str = "int4") -> int:
-    """Resident bytes of the weights after Folio's loader (engine/model/loader.py) has run.
+def estimate_weight_bytes(tensors: list[TensorInfo], weight_mode: str | None = None) -> int:
+    """Resident bytes of the weights after Folio's loader (engine/model/loader.py) has run
+    (``weight_mode``: the loader's default when None).
+
+    In ``native`` mode every matrix stays as the file stores it, mapped: its bytes; the
+    one-dimensional tensors (norms, biases) become fp32.
 
     Q4_0 / Q4_1 / Q4_K projections stay int4 in ``int4`` mode; everything else (the
     embedding, norms, other quant types) is dequantized to fp32. A tied output head gets
@@ -204,6 +209,11 @@ def estimate_weight_bytes(tensors: list[TensorInfo], weight_mode: str = "int4") 
     batched decode (kernels/bf16.py: AMX CPUs, small models), they count too. An
     estimate: a few percent either way.
     """
+    weight_mode = weight_mode or DEFAULT_WEIGHT_MODE
+    if weight_mode == "native":
+        return sum(
+            t.nbytes if len(t.shape) == 2 else int(np.prod(t.shape)) * _DENSE_BYTES for t in tensors
+        )
     total = 0.0
     names = {t.name for t in tensors}
     batchable = 0  # values of the int4 projections and the head: what gets a bf16 copy

@@ -23,14 +23,15 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFError, GGUFFile
 from engine.model.transformer import Concat, Layer, Linear, Transformer
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
 from kernels.bf16 import packed_bf16_available, packed_bf16_supported
 from kernels.dequant import SUPPORTED_TYPES, block_geometry, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
+from kernels.quant.linear import BlockEmbedding, BlockLinear
+from kernels.quant.weight import QuantWeight
 
-WEIGHT_MODES = ("int4", "bf16", "dequant")
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
-DEFAULT_WEIGHT_MODE = "int4"
 # bf16 copies of the int4 weights for batched decode (kernels/bf16.py): "auto" keeps them
 # where the CPU has AMX bf16 and they cost at most BATCHED_AUTO_MAX_BYTES
 BATCHED_WEIGHTS = ("auto", "on", "off")
@@ -221,9 +222,42 @@ def _load_gguf(
             data, qtype, shape, dtype=torch.bfloat16 if weight_mode == "bf16" else dtype
         )
 
-    def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat:
+    def block_weight(name: str) -> QuantWeight:
+        info = gf.tensors[required(name)]
+        return QuantWeight.from_raw(gf.tensor_bytes(name), info.qtype, info.shape)
+
+    def block_linear(names: tuple[str, ...], heads: tuple[int | None, ...]) -> BlockLinear:
+        """The file's bytes untouched: llama's q/k row order is undone on the outputs."""
+        parts = [block_weight(n + ".weight") for n in names]
+        perms, biases, offset = [], [], 0
+        for n, p, h in zip(names, parts, heads):
+            rows = torch.arange(p.out_features)
+            if h is not None and permute_qk:
+                rows = _unpermute_rows(rows.view(-1, 1), h).reshape(-1)
+            perms.append(rows + offset)
+            offset += p.out_features
+            b = dense(n + ".bias") if n + ".bias" in gf.tensors else None
+            biases.append(b)
+        perm = torch.cat(perms)
+        if bool((perm == torch.arange(offset)).all()):
+            perm = None
+        fused_bias = None
+        if any(b is not None for b in biases):
+            fused_bias = torch.cat(
+                [
+                    b.float() if b is not None else torch.zeros(p.out_features)
+                    for b, p in zip(biases, parts)
+                ]
+            )
+            if perm is not None:
+                fused_bias = fused_bias[perm]
+        return BlockLinear(parts, fused_bias, perm)
+
+    def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat | BlockLinear:
         """One projection, or several fused along the output dim (q/k/v, gate/up)."""
         heads = heads or (None,) * len(names)
+        if weight_mode == "native":
+            return block_linear(names, heads)
         parts = [part(n, h) for n, h in zip(names, heads)]
         biases = [bias(n, s, h) for n, (_, _, s), h in zip(names, parts, heads)]
         fused_bias = None
@@ -248,20 +282,13 @@ def _load_gguf(
 
     names = GGUF_GEMMA_NAMES if config.arch == "gemma3" else GGUF_NAMES
     layers = _build_layers(config, names, norm, linear, report)
-    embedding = dense("token_embd.weight")
-    if "output.weight" in gf.tensors:
-        lm_head = linear("output")
+    if weight_mode == "native":
+        embedding = BlockEmbedding(block_weight("token_embd.weight"))
+        lm_head = (
+            linear("output") if "output.weight" in gf.tensors else BlockLinear([embedding.weight])
+        )
     else:
-        lm_head = Linear(embedding)
-    if (
-        weight_mode == "int4"
-        and isinstance(lm_head, Linear)
-        and lm_head.bias is None
-        and lm_head.weight.dtype == torch.float32
-    ):
-        # The head is the largest matrix read at every decode step: score with a quantized
-        # copy, recompute the leading logits exactly (kernels/head.py).
-        lm_head = RescoredHead(lm_head.weight, bits=head_bits)
+        embedding, lm_head = _dense_embedding_and_head(dense, linear, gf, weight_mode, head_bits)
     factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
     model = Transformer(
         config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype
@@ -276,6 +303,22 @@ def _load_gguf(
         load_seconds=0.0,
         quant_types=counts,
     )
+
+
+def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):
+    """The fp32 embedding table and the head of the dense / int4 modes: in int4 mode an
+    fp32 head is scored with a quantized copy, the leading logits recomputed exactly
+    (kernels/head.py): it is the largest matrix read at every decode step."""
+    embedding = dense("token_embd.weight")
+    lm_head = linear("output") if "output.weight" in gf.tensors else Linear(embedding)
+    if (
+        weight_mode == "int4"
+        and isinstance(lm_head, Linear)
+        and lm_head.bias is None
+        and lm_head.weight.dtype == torch.float32
+    ):
+        lm_head = RescoredHead(lm_head.weight, bits=head_bits)
+    return embedding, lm_head
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")

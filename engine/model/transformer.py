@@ -21,6 +21,7 @@ from kernels.bf16 import BATCHED_FROM_ROWS, PackedBF16, bf16_linear, pack_bf16
 from kernels.head import RescoredHead
 from kernels.int4 import Int4Weight, int4_linear
 from kernels.int8 import Int8Weight, int8_linear
+from kernels.quant.linear import BlockEmbedding, BlockLinear
 
 
 class Linear:
@@ -212,10 +213,10 @@ class Transformer:
     def __init__(
         self,
         config: ModelConfig,
-        embedding: torch.Tensor,
+        embedding: torch.Tensor | BlockEmbedding,
         layers: list[Layer],
         final_norm: torch.Tensor,
-        lm_head: Linear | RescoredHead,
+        lm_head: Linear | RescoredHead | BlockLinear,
         rope_freq_factors: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
     ):
@@ -269,9 +270,20 @@ class Transformer:
     def has_batched_weights(self) -> bool:
         return any(lin.batched is not None for lin in self._batchable())
 
+    def _head_is_embedding(self) -> bool:
+        head, table = self.lm_head, self.embedding
+        if isinstance(head, BlockLinear) and isinstance(table, BlockEmbedding):
+            return len(head.parts) == 1 and head.parts[0] is table.weight
+        return isinstance(head, Linear) and head.weight is table
+
     def weight_bytes(self) -> int:
-        n = self.embedding.numel() * self.embedding.element_size()
-        if not (isinstance(self.lm_head, Linear) and self.lm_head.weight is self.embedding):
+        table = self.embedding
+        n = (
+            table.nbytes()
+            if isinstance(table, BlockEmbedding)
+            else table.numel() * table.element_size()
+        )
+        if not self._head_is_embedding():
             n += self.lm_head.nbytes()  # a separate head, or the int8 copy of a tied one
         n += self.final_norm.numel() * self.final_norm.element_size()
         for layer in self.layers:
@@ -295,7 +307,9 @@ class Transformer:
         concatenated; their K/V are written into the paged cache. Returns logits
         [R, vocab] for the rows `batch.logits_rows` (usually each sequence's last)."""
         cfg = self.config
-        x = F.embedding(tokens, self.embedding).to(self.dtype)
+        table = self.embedding
+        x = table(tokens) if isinstance(table, BlockEmbedding) else F.embedding(tokens, table)
+        x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope = self.rope.tables(batch.positions)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.cache.kv_cache import CacheSettings
 from engine.generator.settings import GeneratorSettings
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
 from engine.server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 
 API_KEY_ENV = "FOLIO_API_KEY"
@@ -48,7 +49,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     serve.add_argument("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes)
     serve.add_argument(
-        "--weights", choices=("int4", "bf16", "dequant"), default="int4", help="weight storage"
+        "--weights",
+        choices=WEIGHT_MODES,
+        default=DEFAULT_WEIGHT_MODE,
+        help=f"weight storage (default: {DEFAULT_WEIGHT_MODE}, as the file stores them)",
     )
     serve.add_argument("--page-size", type=int, default=256)
     serve.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")

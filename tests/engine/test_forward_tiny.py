@@ -105,3 +105,61 @@ def test_sharded_half_precision_folder(dtype, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
     ref = _reference_logits(model.float(), ids)  # the same half-precision weights, computed in fp32
     _assert_close(_folio_logits(loaded, ids), ref, 1e-4)
+
+
+# The mixes llama.cpp's quantizer writes (Q4_K_M / Q5_K_M: Q6_K for attn_v, ffn_down and
+# the output head), and whole-file Q6_K and Q8_0.
+FILE_MIXES = {
+    "Q4_K_M": {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K, "o": Q.Q4_K, "gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K, "embd": Q.Q4_K, "output": Q.Q6_K},
+    "Q5_K_M": {"q": Q.Q5_K, "k": Q.Q5_K, "v": Q.Q6_K, "o": Q.Q5_K, "gate": Q.Q5_K, "up": Q.Q5_K, "down": Q.Q6_K, "embd": Q.Q5_K, "output": Q.Q6_K},
+    "Q6_K": {},
+    "Q8_0": {},
+}
+
+
+@pytest.mark.parametrize("mix", FILE_MIXES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_mode_reads_the_files_blocks(family, mix, tmp_path):
+    """The default weight mode keeps every weight as the file stores it (resident bytes
+    within 5% of the file's tensor bytes) and computes what transformers computes on the
+    dequantized weights, to the error of int8 activations: a prompt of more than
+    DECODE_MAX_ROWS tokens takes dequantized tiles and a GEMM, then single tokens the
+    integer kernels."""
+    from engine.model.gguf_file import GGUFFile
+    from kernels.quant import DECODE_MAX_ROWS
+
+    model = make_hf_model(family, seed=11, tie_word_embeddings=False)
+    default = Q[mix] if mix in ("Q6_K", "Q8_0") else Q.Q4_K
+    model.load_state_dict(write_gguf(model, tmp_path / "m.gguf", FILE_MIXES[mix], default=default, seed=3))
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    assert loaded.weight_mode == "native"
+    tensor_bytes = sum(t.nbytes for t in GGUFFile(tmp_path / "m.gguf").tensors.values())
+    assert loaded.weight_bytes <= 1.05 * tensor_bytes
+    n = DECODE_MAX_ROWS + 8
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(4))
+    ref = _reference_logits(model, ids)
+    ours = _folio_logits(loaded, ids, chunks=(n - 4, 1, 1))
+    _assert_close(ours, ref, 5e-2)
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"argmax agrees at {agree:.0%} of positions"
+
+
+def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
+    """Loading in the default mode allocates (almost) nothing for the weights: the
+    process's anonymous memory grows by a small fraction of the file."""
+    model = make_hf_model("llama", seed=12, tie_word_embeddings=False, intermediate_size=4096, vocab_size=16384)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K)
+    load_model(tmp_path / "m.gguf", load_tokenizer=False)  # first load: kernels, caches
+    size = (tmp_path / "m.gguf").stat().st_size
+
+    def anon() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        pytest.skip("no /proc/self/status RssAnon on this system")
+
+    before = anon()
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    grown = anon() - before
+    assert grown < 0.05 * size + (2 << 20), f"anonymous memory grew by {grown:,} bytes for a {size:,}-byte file"
+    assert loaded.weight_bytes > 0.9 * size

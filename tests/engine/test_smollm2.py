@@ -71,6 +71,21 @@ def test_int4_mode_agrees_with_dequant_mode(smollm2_int4, smollm2_dequant):
     assert smollm2_int4.weight_bytes - smollm2_int4.batched_weights_bytes < 0.5 * smollm2_dequant.weight_bytes
 
 
+def test_native_mode_agrees_with_dequant_mode(smollm2_native, smollm2_dequant, smollm2_path):
+    """The default mode reads the file's Q4_1 blocks in place: a 512-token prompt in one
+    go (dequantized tiles and torch's GEMM) and token by token (int8 activations, integer
+    dot products) pick the exact weights' argmax at >= 99% of positions."""
+    ids = _text_ids(smollm2_dequant.tokenizer, 512)
+    exact = _all_logits(smollm2_dequant, ids)
+    agree, top_err = _agreement(_all_logits(smollm2_native, ids), exact)
+    assert agree >= 0.99 and top_err < 0.02, (agree, top_err)
+    agree, top_err = _agreement(_all_logits(smollm2_native, ids, chunk=1), exact)
+    assert agree >= 0.99, f"argmax agrees on only {agree:.1%} of positions"
+    assert top_err < 0.02, f"relative error of the leading logit {top_err:.2%}"
+    # nothing but the file's bytes (and fp32 norms)
+    assert smollm2_native.weight_bytes <= 1.05 * smollm2_path.stat().st_size
+
+
 def test_bf16_batch_copies_agree_with_dequant_as_well_as_int4(smollm2_int4, smollm2_dequant):
     if not smollm2_int4.batched_weights_bytes:
         pytest.skip("no bf16 batch copies: this CPU has no AMX bf16 (kernels/bf16.py)")
@@ -122,7 +137,7 @@ def test_batched_weights_policy(smollm2_path, monkeypatch):
     from engine.model import loader
 
     def kept(**kwargs) -> int:
-        loaded = loader.load_model(smollm2_path, load_tokenizer=False, **kwargs)
+        loaded = loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False, **kwargs)
         has = loaded.model.has_batched_weights
         assert has == (loaded.batched_weights_bytes > 0)
         return loaded.batched_weights_bytes
@@ -157,21 +172,27 @@ def test_a_refused_packing_loads_without_copies(smollm2_path, monkeypatch):
         return real(weight)
 
     monkeypatch.setattr(transformer, "pack_bf16", fails_third_time)
-    loaded = loader.load_model(smollm2_path, load_tokenizer=False)
+    loaded = loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False)
     assert len(packed) == 2  # two copies were made before the failure, then dropped
     assert loaded.batched_weights_bytes == 0 and not loaded.model.has_batched_weights
-    assert loaded.weight_bytes == loader.load_model(smollm2_path, load_tokenizer=False, batched_weights="off").weight_bytes
+    assert loaded.weight_bytes == loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="off").weight_bytes
     packed.clear()
     with pytest.raises(loader.ModelLoadError, match="could not create a primitive.*'auto' or 'off'"):
-        loader.load_model(smollm2_path, load_tokenizer=False, batched_weights="on")
+        loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="on")
 
 
-def test_weight_estimate_before_download_matches_the_loaded_model(smollm2_path, smollm2_int4):
-    """The model manager's fit label counts what loading keeps, bf16 batch copies included."""
-    from engine.hub.gguf_info import summary_from_file
+def test_weight_estimate_before_download_matches_the_loaded_model(smollm2_path, smollm2_native, smollm2_int4):
+    """The model manager's fit label counts what loading keeps: the file's bytes in the
+    default mode; in int4 mode the repacked and fp32 weights, bf16 batch copies included."""
+    from engine.hub.gguf_info import estimate_weight_bytes, summary_from_file
+    from engine.model.gguf_file import GGUFFile
 
     estimate = summary_from_file(smollm2_path).weight_bytes
-    assert abs(estimate - smollm2_int4.weight_bytes) < 0.05 * smollm2_int4.weight_bytes
+    assert abs(estimate - smollm2_native.weight_bytes) < 0.05 * smollm2_native.weight_bytes
+    tensors = list(GGUFFile(smollm2_path).tensors.values())
+    assert smollm2_native.weight_bytes <= 1.05 * sum(t.nbytes for t in tensors)
+    int4 = estimate_weight_bytes(tensors, "int4")
+    assert abs(int4 - smollm2_int4.weight_bytes) < 0.05 * smollm2_int4.weight_bytes
 
 
 def test_forward_picks_bf16_copies_for_prefill_and_big_decode_batches(smollm2_int4, monkeypatch):

@@ -1,0 +1,180 @@
+"""`folio bench forward --shape NAME --quant Q`: Folio at the sizes users run, side by side
+with llama.cpp on the same file (issue 14).
+
+The model is a random-weight GGUF with the exact shapes and tensor types llama.cpp's
+quantizer writes for that model (engine/bench/shapes.py; speed and memory depend on
+shapes and types, not on trained values). Each engine runs in its own process so that
+its peak RSS is its own. Figures, one JSON object each:
+
+* ``load_s`` (page cache warm: the file is read once before), ``peak_rss_bytes``;
+* ``first_token_s``: a 32-token prompt to its first token, right after loading;
+* ``prefill_tok_s`` (512 tokens), ``decode_tok_s`` (batch 1), ``s_tg`` at B=4 and B=16
+  (llama-batched-bench's PP/TG/B table, different prompts);
+* ``decode_gb_s``: the weight bytes one decode token reads (every matrix but the
+  embedding table, which is only looked up) times tokens per second, beside ``bound_gb_s``,
+  this machine's read bandwidth (``torch.sum`` over 1 GiB of float32, the threads of the run).
+
+With ``--llama-cpp DIR`` (a folder holding ``llama-bench`` and ``llama-batched-bench``)
+the same figures from llama.cpp, then the ratios Folio / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import resource
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+PROMPT_TOKENS = 512
+FIRST_TOKEN_PROMPT = 32
+
+
+def _emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Bytes per second ``torch.sum`` reads from a float32 tensor of ``nbytes``: best round."""
+    torch.set_num_threads(threads)
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def decode_bytes(path: Path) -> int:
+    """Weight bytes one decode token reads: every 2-D tensor but the embedding table
+    (looked up by row), which is read whole only when it is also the output head."""
+    from engine.model.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    tied = "output.weight" not in tensors
+    return sum(
+        t.nbytes
+        for t in tensors.values()
+        if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)
+    )
+
+
+def _warm_page_cache(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def _folio_figures(
+    path: str, weights: str, threads: int, tg: int, batches: tuple[int, ...]
+) -> dict:
+    """In a child process: load, first token, prefill, decode, S_TG; its own peak RSS."""
+    torch.set_num_threads(threads)
+    from engine.bench.batched import batched_case
+    from engine.bench.forward import prefill_then_decode
+    from engine.cache.kv_cache import CacheSettings, KVCache
+    from engine.model.loader import load_model
+    from kernels.quant import warm_up
+
+    warm_up()  # numba's cache: compiled once per machine, not part of loading a model
+    t = time.perf_counter()
+    loaded = load_model(path, weight_mode=weights)
+    load_s = time.perf_counter() - t
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=4096))
+
+    def run(prompt: int, decode: int) -> tuple[float, float]:
+        return prefill_then_decode(loaded, cache, prompt, decode)
+
+    first_token_s, _ = run(FIRST_TOKEN_PROMPT, 0)
+    prefill_s, decode_s = run(PROMPT_TOKENS, 32)
+    prefill_s2, decode_s2 = run(PROMPT_TOKENS, 32)
+    s_tg = {}
+    for b in batches:
+        row = batched_case(loaded, 128, tg, b, False)
+        s_tg[str(b)] = row["S_TG"]
+    return {
+        "engine": "folio",
+        "weights": loaded.weight_mode,
+        "load_s": round(load_s, 2),
+        "weight_bytes": loaded.weight_bytes,
+        "first_token_s": round(first_token_s, 3),
+        "prefill_tok_s": round(PROMPT_TOKENS / min(prefill_s, prefill_s2), 1),
+        "decode_tok_s": round(32 / min(decode_s, decode_s2), 2),
+        "s_tg": s_tg,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _in_child(fn, *args):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _llama_cpp_figures(
+    folder: Path, path: Path, threads: int, tg: int, batches: tuple[int, ...]
+) -> dict:
+    from engine.bench.llama_cpp import run_batched_bench, run_llama_bench
+
+    t = time.perf_counter()
+    report = run_llama_bench(folder, path, threads, n_prompt=PROMPT_TOKENS, n_gen=32, repetitions=2)
+    batched = run_batched_bench(folder, path, threads, npp=128, ntg=tg, npl=batches)
+    rows = batched.by_batch()
+    return {
+        "engine": "llama.cpp",
+        "model_type": report.model_type,
+        "prefill_tok_s": round(report.prompt.avg, 1) if report.prompt else None,
+        "decode_tok_s": round(report.decode.avg, 2) if report.decode else None,
+        "s_tg": {str(b): round(rows[b].s_tg, 2) for b in batches if b in rows},
+        "peak_rss_bytes": report.peak_rss_bytes,
+        "wall_s": round(time.perf_counter() - t, 1),
+    }
+
+
+def run_shape_bench(args: Namespace) -> None:
+    from engine.bench.shapes import make_shape_gguf, mix_report
+
+    def progress(fraction: float, what: str) -> None:
+        print(
+            f"\r  writing {args.shape} {args.quant}: {fraction:.0%} {what}"[:100],
+            end="",
+            file=sys.stderr,
+        )
+
+    path = make_shape_gguf(args.shape, args.quant, progress=progress)
+    print(file=sys.stderr)
+    threads = args.threads or torch.get_num_threads()
+    batches = tuple(args.batch)
+    base = {"bench": "forward", "shape": args.shape, "quant": args.quant, "file_bytes": path.stat().st_size,
+            "threads": threads, "prompt_tokens": PROMPT_TOKENS, "tg": args.tg}  # fmt: skip
+    _emit({**base, "mix": mix_report(args.shape, args.quant)})
+    _warm_page_cache(path)
+    bound = read_bandwidth(threads)
+    per_token = decode_bytes(path)
+    folio = _in_child(_folio_figures, str(path), args.weights, threads, args.tg, batches)
+    folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)
+    folio["bound_gb_s"] = round(bound / 1e9, 2)
+    folio["decode_bound_tok_s"] = round(bound / per_token, 2)
+    _emit({**base, **folio})
+    if not args.llama_cpp:
+        return
+    llama = _llama_cpp_figures(Path(args.llama_cpp), path, threads, args.tg, batches)
+    if llama["decode_tok_s"]:
+        llama["decode_gb_s"] = round(per_token * llama["decode_tok_s"] / 1e9, 2)
+    _emit({**base, **llama})
+
+    def ratio(a, b):
+        return round(a / b, 2) if a and b else None
+
+    _emit({**base, "engine": "ratio", "folio_over_llama_cpp": {
+        "prefill": ratio(folio["prefill_tok_s"], llama["prefill_tok_s"]),
+        "decode": ratio(folio["decode_tok_s"], llama["decode_tok_s"]),
+        **{f"s_tg_B{b}": ratio(folio["s_tg"].get(b), llama["s_tg"].get(b)) for b in folio["s_tg"]},
+        "peak_rss": ratio(folio["peak_rss_bytes"], llama["peak_rss_bytes"]),
+    }})  # fmt: skip

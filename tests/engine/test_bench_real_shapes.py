@@ -1,0 +1,50 @@
+"""`folio bench forward --shape`: the figures it prints come from the run, and its
+bytes-per-token arithmetic is the file's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.bench import real_shapes, shapes
+from engine.model.gguf_file import GGUFFile
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_decode_bytes_count_the_head_once(name, tmp_path, smollm2_path):
+    """Every matrix is read once per decode token; the embedding table only when it is
+    also the head (tied), and then once."""
+    path = shapes.make_shape_gguf(name, "q4_k_m", tmp_path, vocab_source=smollm2_path)
+    tensors = GGUFFile(path).tensors
+    matrices = sum(t.nbytes for t in tensors.values() if len(t.shape) == 2)
+    embedding = tensors["token_embd.weight"].nbytes
+    tied = "output.weight" not in tensors
+    assert tied == shapes.SHAPES[name].tied
+    assert real_shapes.decode_bytes(path) == (matrices if tied else matrices - embedding)
+
+
+def test_shape_bench_prints_figures_of_the_run(tmp_path, smollm2_path):
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    folder = tmp_path / "folio" / "bench-shapes"  # engine.paths.cache_dir() under that env
+    path = shapes.make_shape_gguf("tiny-llama", "q8_0", folder, vocab_source=smollm2_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "folio", "bench", "forward", "--shape", "tiny-llama", "--quant", "q8_0",
+         "--tg", "4", "--batch", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=600, env=env, check=True,
+    ).stdout  # fmt: skip
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    mix, folio = records[0], records[1]
+    assert mix["mix"]["tensors"]["Q8_0"] > 0
+    assert folio["engine"] == "folio" and folio["weights"] == "native"
+    assert sorted(p.name for p in folder.iterdir()) == [path.name]
+    assert folio["file_bytes"] == path.stat().st_size
+    per_token = real_shapes.decode_bytes(path)
+    assert folio["decode_gb_s"] == pytest.approx(per_token * folio["decode_tok_s"] / 1e9, abs=0.01)
+    assert 0 < folio["weight_bytes"] <= 1.05 * path.stat().st_size
+    assert folio["prefill_tok_s"] > 0 and folio["s_tg"]["2"] > 0
+    assert folio["peak_rss_bytes"] > folio["weight_bytes"]
