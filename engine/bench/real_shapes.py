@@ -6,7 +6,8 @@ quantizer writes for that model (engine/bench/shapes.py; speed and memory depend
 shapes and types, not on trained values). Each engine runs in its own process so that
 its peak RSS is its own. Figures, one JSON object each:
 
-* ``load_s`` (page cache warm: the file is read once before), ``peak_rss_bytes``;
+* ``load_s`` (page cache warm: the file is read once before), ``peak_rss_bytes`` (the
+  process, with the model and a 4,096-token cache, through prefill and decode);
 * ``first_token_s``: a 32-token prompt to its first token, right after loading;
 * ``prefill_tok_s`` (512 tokens), ``decode_tok_s`` (batch 1), ``s_tg`` at B=4 and B=16
   (llama-batched-bench's PP/TG/B table, different prompts);
@@ -94,6 +95,9 @@ def _folio_figures(
     first_token_s, _ = run(FIRST_TOKEN_PROMPT, 0)
     prefill_s, decode_s = run(PROMPT_TOKENS, 32)
     prefill_s2, decode_s2 = run(PROMPT_TOKENS, 32)
+    # the model and its 4,096-token cache, through prefill and decode (the S_TG cases
+    # below build caches of their own)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     s_tg = {}
     for b in batches:
         row = batched_case(loaded, 128, tg, b, False)
@@ -107,7 +111,7 @@ def _folio_figures(
         "prefill_tok_s": round(PROMPT_TOKENS / min(prefill_s, prefill_s2), 1),
         "decode_tok_s": round(32 / min(decode_s, decode_s2), 2),
         "s_tg": s_tg,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss,
     }
 
 

@@ -1,0 +1,103 @@
+"""kernels.quant.linear: the model's projections and embedding on the file's blocks,
+against the gguf package's dequantizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kernels.quant import DECODE_MAX_ROWS, QuantWeight, quantize_activations
+from kernels.quant.bench import random_blocks
+from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
+from kernels.quant.reference import reference_dequantize
+
+Q = GGMLQuantizationType
+K = 512
+
+
+def _weight(qtype, n: int, seed: int) -> tuple[QuantWeight, torch.Tensor]:
+    raw = random_blocks(qtype, n, K, np.random.default_rng(seed))
+    w = QuantWeight.from_raw(raw, qtype, (n, K))
+    return w, torch.from_numpy(reference_dequantize(raw, qtype, (n, K)).astype(np.float32))
+
+
+def test_two_level_activations_are_x_and_its_rounding_error():
+    """Rows 0..B-1 are the one-level activations bit for bit; rows B..2B-1 quantize what
+    they left, and the two together are ~127x closer to x than one level."""
+    x = np.random.default_rng(1).standard_normal((3, K)).astype(np.float32) * 4
+    one = quantize_activations(x)
+    two = two_level_activations(x)
+    assert np.array_equal(two.q[:3], one.q) and np.array_equal(two.scale[:3], one.scale)
+    rest = quantize_activations(x - one.dequantize())
+    assert np.array_equal(two.q[3:], rest.q) and np.array_equal(two.scale[3:], rest.scale)
+    assert np.array_equal(two.sum16[3:], rest.sum16) and np.array_equal(two.sum32[3:], rest.sum32)
+    deq = two.dequantize()
+    err_one = np.abs(one.dequantize() - x).max()
+    err_two = np.abs(deq[:3] + deq[3:] - x).max()
+    assert err_two < err_one / 50, (err_one, err_two)
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])
+def test_fused_parts_equal_the_dequantized_product(qtypes):
+    """A fused q/k/v of mixed types (as Q4_K_M files have) with a bias and an output
+    permutation: decode rows within 1e-4 of the exact product, prefill rows (float32
+    tiles) within float32 rounding; with block types only, each row the same alone as in
+    any batch."""
+    parts, dense = [], []
+    for i, qtype in enumerate(qtypes):
+        if qtype == Q.F16:
+            w16 = (torch.randn(64, K) * 0.05).half()
+            parts.append(QuantWeight.from_raw(w16.numpy(), qtype, (64, K)))
+            dense.append(w16.float())
+        else:
+            w, d = _weight(qtype, 96 + 32 * i, seed=i)
+            parts.append(w)
+            dense.append(d)
+    full = torch.cat(dense)
+    n = full.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(n)
+    lin = BlockLinear(parts, bias, perm)
+    assert lin.out_features == n and lin.nbytes() == sum(p.nbytes for p in parts) + 4 * n
+    x = torch.randn(DECODE_MAX_ROWS + 5, K)
+    exact = (x.double() @ full.double().T)[:, perm].float() + bias
+    scale = (x.abs().double() @ full.abs().double().T)[:, perm].float()
+    decode = lin(x[:7])
+    assert ((decode - exact[:7]).abs() / scale[:7]).max() < 1e-4
+    prefill = lin(x)  # more rows than the decode kernel takes: float32 tiles
+    assert ((prefill - exact).abs() / scale).max() < 1e-5
+    if not any(p.is_float for p in parts):  # torch's GEMM (float parts) promises no such thing
+        for b in (1, 2, 5):
+            assert torch.equal(lin(x[:b]), decode[:b])
+    assert lin(x[:7].reshape(7, 1, K)).shape == (7, 1, n)
+
+
+def test_parts_must_agree():
+    a, _ = _weight(Q.Q8_0, 32, 0)
+    b = QuantWeight.from_raw(
+        random_blocks(Q.Q8_0, 32, 256, np.random.default_rng(0)), Q.Q8_0, (32, 256)
+    )
+    with pytest.raises(ValueError, match="in_features"):
+        BlockLinear([a, b])
+    with pytest.raises(ValueError, match="bias"):
+        BlockLinear([a], torch.zeros(31))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q8_0, Q.Q4_K, Q.F16])
+def test_embedding_rows_are_the_dequantized_rows(qtype):
+    if qtype == Q.F16:
+        dense = torch.randn(200, K).half()
+        table = BlockEmbedding(QuantWeight.from_raw(dense.numpy(), qtype, (200, K)))
+        dense = dense.float()
+    else:
+        w, dense = _weight(qtype, 200, seed=5)
+        table = BlockEmbedding(w)
+    ids = torch.tensor([[3, 199, 3], [0, 42, 7]])
+    rows = table(ids)
+    assert rows.shape == (2, 3, K) and rows.dtype == torch.float32
+    assert torch.equal(rows, dense[ids])
+    assert table(torch.tensor([], dtype=torch.long)).shape == (0, K)
+    with pytest.raises(IndexError, match="vocabulary"):
+        table(torch.tensor([200]))
