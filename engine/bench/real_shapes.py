@@ -39,19 +39,6 @@ def _emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def read_bandwidth(threads: int, nbytes: int = 1 << 30, rounds: int = 5) -> float:
-    """Bytes per second ``torch.sum`` reads from a float32 tensor of ``nbytes``: best round."""
-    torch.set_num_threads(threads)
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
 def decode_bytes(path: Path) -> int:
     """Weight bytes one decode token reads: every 2-D tensor but the embedding table
     (looked up by row), which is read whole only when it is also the output head."""
@@ -143,6 +130,7 @@ def _llama_cpp_figures(
 
 def run_shape_bench(args: Namespace) -> None:
     from engine.bench.shapes import make_shape_gguf, mix_report
+    from kernels.quant.bench import read_bandwidth
 
     def progress(fraction: float, what: str) -> None:
         print(
@@ -159,7 +147,8 @@ def run_shape_bench(args: Namespace) -> None:
             "threads": threads, "prompt_tokens": PROMPT_TOKENS, "tg": args.tg}  # fmt: skip
     _emit({**base, "mix": mix_report(args.shape, args.quant)})
     _warm_page_cache(path)
-    bound = read_bandwidth(threads)
+    torch.set_num_threads(threads)
+    bound = read_bandwidth()
     per_token = decode_bytes(path)
     folio = _in_child(_folio_figures, str(path), args.weights, threads, args.tg, batches)
     folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)

@@ -226,45 +226,36 @@ def _load_gguf(
         info = gf.tensors[required(name)]
         return QuantWeight.from_raw(gf.tensor_bytes(name), info.qtype, info.shape)
 
-    def block_linear(names: tuple[str, ...], heads: tuple[int | None, ...]) -> BlockLinear:
+    def block_linear(
+        names: tuple[str, ...], heads: tuple[int | None, ...], fused_bias: torch.Tensor | None
+    ) -> BlockLinear:
         """The file's bytes untouched: llama's q/k row order is undone on the outputs."""
         parts = [block_weight(n + ".weight") for n in names]
-        perms, biases, offset = [], [], 0
-        for n, p, h in zip(names, parts, heads):
+        perms, offset = [], 0
+        for p, h in zip(parts, heads):
             rows = torch.arange(p.out_features)
             if h is not None and permute_qk:
                 rows = _unpermute_rows(rows.view(-1, 1), h).reshape(-1)
             perms.append(rows + offset)
             offset += p.out_features
-            b = dense(n + ".bias") if n + ".bias" in gf.tensors else None
-            biases.append(b)
         perm = torch.cat(perms)
         if bool((perm == torch.arange(offset)).all()):
             perm = None
-        fused_bias = None
-        if any(b is not None for b in biases):
-            fused_bias = torch.cat(
-                [
-                    b.float() if b is not None else torch.zeros(p.out_features)
-                    for b, p in zip(biases, parts)
-                ]
-            )
-            if perm is not None:
-                fused_bias = fused_bias[perm]
         return BlockLinear(parts, fused_bias, perm)
 
     def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat | BlockLinear:
         """One projection, or several fused along the output dim (q/k/v, gate/up)."""
         heads = heads or (None,) * len(names)
-        if weight_mode == "native":
-            return block_linear(names, heads)
-        parts = [part(n, h) for n, h in zip(names, heads)]
-        biases = [bias(n, s, h) for n, (_, _, s), h in zip(names, parts, heads)]
+        shapes = [gf.tensors[required(n + ".weight")].shape for n in names]
+        biases = [bias(n, s, h) for n, s, h in zip(names, shapes, heads)]
         fused_bias = None
         if any(b is not None for b in biases):
             fused_bias = torch.cat(
-                [b if b is not None else torch.zeros(s[0]) for b, (_, _, s) in zip(biases, parts)]
+                [b if b is not None else torch.zeros(s[0]) for b, s in zip(biases, shapes)]
             )
+        if weight_mode == "native":
+            return block_linear(names, heads, fused_bias)
+        parts = [part(n, h) for n, h in zip(names, heads)]
         if all(int4_able(q, s) for _, q, s in parts):
             weight = int4_from_gguf_parts(parts) if len(parts) > 1 else int4_from_gguf(*parts[0])
             return Linear(weight, fused_bias, functools.partial(_dense_parts, parts))
