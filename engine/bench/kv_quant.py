@@ -16,14 +16,15 @@ KV_QUANT_FORMATS = ((None, None), (8, 8), (6, 6), (4, 4), (2, 2), (8, 4))
 
 def run_kv_quant_bench(args) -> None:
     """`folio bench kv-quant`: perplexity and KV bytes per token for each cache format."""
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weight_mode=args.weights)
     ids = loaded.tokenizer.encode(reference_text())[: args.tokens]
     base = None
     for k_bits, v_bits in KV_QUANT_FORMATS:
         ppl = perplexity(loaded, ids, k_bits=k_bits, v_bits=v_bits)
         base = base or ppl
         print(json.dumps({
-            "bench": "kv-quant", "model": loaded.name, "tokens": len(ids),
+            "bench": "kv-quant", "model": loaded.name, "weights": loaded.weight_mode,
+            "tokens": len(ids),
             "k_bits": k_bits or 32, "v_bits": v_bits or 32,
             "perplexity": round(ppl, 4), "vs_fp32": round(ppl / base - 1, 5),
             "kv_bytes_per_token": loaded.config.kv_bytes_per_token(k_bits, v_bits),

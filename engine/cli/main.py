@@ -167,6 +167,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     kvq.add_argument("--model", type=Path)
     kvq.add_argument("--tokens", type=int, default=4096)
+    kvq.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default=DEFAULT_WEIGHT_MODE,
+        help="weight mode of the model (each record names it)",
+    )
     load = bsub.add_parser(
         "load",
         help="300 random jobs from 4 threads, cancels, a small cache: every job must end cleanly",

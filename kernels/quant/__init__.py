@@ -7,7 +7,10 @@ entry point. Layout of the package:
 * ``simd.py``: the LLVM-IR primitives (the int8 scaled dot product, byte unpacking).
 * ``rows.py``: the decode and dequantize loops every type shares.
 * ``legacy.py`` / ``kquants.py``: per type, an unpacker and its kernels.
-* ``activations.py``: activations to int8 per 32, once per matmul.
+* ``superblock.py``: Q4_K and Q6_K decode kernels that unpack in registers and sum each
+  256-element super-block in integers (the bulk of a Q4_K_M file).
+* ``activations.py``: activations to int8 once per matmul: per 32 (most types) or per 256
+  with integer sums (the super-block kernels).
 * ``reference.py``: the plain reference the kernels are tested against.
 * ``registry.py``, ``weight.py``, ``matmul.py``: the table, the weight, the entry point.
 * ``bench.py``: GB/s of each kernel against the machine's read bandwidth.

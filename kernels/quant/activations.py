@@ -1,23 +1,103 @@
-"""Activations quantized once per matmul: int8 per 32 elements (llama.cpp's Q8_0 block).
+"""Activations quantized once per matmul, in one of two formats.
 
-Every decode kernel of :mod:`kernels.quant` reads this one format, so a layer input shared
-by several weights of different types (q/k/v, gate/up) is quantized once. llama.cpp uses a
-coarser block of 256 (Q8_K) for the k-quants to save scale multiplies; here the scales are
-applied per 4-element lane anyway (:func:`~kernels.quant.simd.scaled_dot`), so the finer
-block costs one broadcast per 64 elements and halves the activation rounding error.
+* :class:`Q8Activations`: int8 per 32 elements (llama.cpp's Q8_0 block), read by the
+  kernels of :mod:`kernels.quant.rows` (every type but Q4_K and Q6_K): their scales are
+  applied per 4-element lane, so the fine block costs one broadcast per 64 elements and
+  halves the activation rounding error.
+* :class:`Q8KActivations`: int8 per 256 with integer sums per 16 and 32 (llama.cpp's
+  Q8_K), read by the super-block kernels (:mod:`kernels.quant.superblock`): with one
+  activation scale per super-block, the k-quants' integer sub-block scales let the whole
+  block be summed in integers, one float step per 256 elements.
+
+A layer input shared by several weights (q/k/v, gate/up) is quantized once per format it
+is read in: the super-block format is made from the per-32 one's source on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 
 from kernels.quant.blocks import JIT
-from kernels.quant.simd import quantize32
+from kernels.quant.simd import quantize32, quantize256
 
 ACT_BLOCK = 32
+SUPER_BLOCK = 256
+
+
+@dataclass
+class Q8KActivations:
+    """``[B, K]`` activations in super-blocks (llama.cpp's Q8_K): int8 codes ``q`` with
+    one float32 scale ``d`` per 256 elements, and the integer sums of the codes per 16 and
+    per 32 (``bsum16`` / ``bsum32``, int32), which the k-quant kernels multiply by the
+    weights' integer offsets. The k-quants' sub-block scales are integers, so with one
+    activation scale per super-block the whole block is summed in integers
+    (:mod:`kernels.quant.superblock`)."""
+
+    q: np.ndarray  # int8 [B, K]
+    d: np.ndarray  # float32 [B, K // 256]
+    bsum16: np.ndarray  # int32 [B, K // 16]
+    bsum32: np.ndarray  # int32 [B, K // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[B, K]``: exactly the values the kernels multiply by."""
+        b, k = self.q.shape
+        return (self.q.reshape(b, -1, SUPER_BLOCK) * self.d[:, :, None]).reshape(b, k)
+
+
+@numba.njit(**JIT)
+def _quantize_k(x, levels, q, d, bsum16, bsum32):
+    """Rows ``b`` of ``x`` to rows ``b`` (and, with ``levels == 2``, what their rounding
+    left to rows ``B + b``) of the super-block format."""
+    batch, k = x.shape
+    rest = np.empty(SUPER_BLOCK, np.float32)
+    for b in range(batch):
+        for level in range(levels):
+            row = b + level * batch
+            for blk in range(k // SUPER_BLOCK):
+                e0 = SUPER_BLOCK * blk
+                if level == 0:
+                    src = x[b].ctypes.data + 4 * e0
+                else:
+                    scale = d[b, blk]
+                    for i in range(SUPER_BLOCK):
+                        rest[i] = x[b, e0 + i] - np.float32(q[b, e0 + i]) * scale
+                    src = rest.ctypes.data
+                quantize256(src, q[row].ctypes.data + e0, d[row].ctypes.data + 4 * blk)
+            for s in range(k // 16):
+                total = 0
+                for i in range(16):
+                    total += np.int32(q[row, 16 * s + i])
+                bsum16[row, s] = total
+            for s in range(k // 32):
+                bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
+
+
+def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
+    """float32 ``[B, K]`` (K a multiple of 256) -> :class:`Q8KActivations` of ``levels * B``
+    rows: ``x``, then (``levels == 2``) its rounding error, as
+    :func:`kernels.quant.linear.two_level_activations` does per 32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % SUPER_BLOCK:
+        raise ValueError(f"activations must be [B, K] with K a multiple of 256, got {x.shape}")
+    if levels not in (1, 2):
+        raise ValueError(f"levels must be 1 or 2, got {levels}")
+    b, k = x.shape
+    n = levels * b
+    act = Q8KActivations(
+        np.empty((n, k), np.int8),
+        np.empty((n, k // SUPER_BLOCK), np.float32),
+        np.empty((n, k // 16), np.int32),
+        np.empty((n, k // 32), np.int32),
+    )
+    _quantize_k(x, levels, act.q, act.d, act.bsum16, act.bsum32)
+    return act
 
 
 @dataclass
@@ -31,10 +111,30 @@ class Q8Activations:
     scale: np.ndarray  # float32 [B, K // 32]
     sum16: np.ndarray  # float32 [B, K // 16]
     sum32: np.ndarray  # float32 [B, K // 32]
+    # the float activations these came from, and how many levels of int8 they hold (the
+    # super-block format of the same input is made from them when a weight wants it)
+    source: np.ndarray | None = field(default=None, repr=False)
+    levels: int = 1
+    _super: Q8KActivations | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape
+
+    def super_blocks(self) -> Q8KActivations:
+        """The same input in super-block format (:class:`Q8KActivations`), with as many
+        levels and rows as these; made once, on first use."""
+        if self._super is None:
+            if self.source is None:
+                self._super = quantize_super_blocks(self.dequantize())
+            else:
+                self._super = quantize_super_blocks(self.source, self.levels)
+        return self._super
+
+    def values(self, per_super_block: bool = False) -> np.ndarray:
+        """float32 ``[rows, K]``: the values a kernel multiplies by, in the per-32 or the
+        super-block format."""
+        return self.super_blocks().dequantize() if per_super_block else self.dequantize()
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
@@ -70,4 +170,5 @@ def quantize_activations(x: np.ndarray) -> Q8Activations:
         np.empty((b, k // 32), np.float32),
     )
     _quantize(x, act.q, act.scale, act.sum16, act.sum32)
+    act.source = x
     return act

@@ -14,6 +14,7 @@ import numba
 from kernels.quant.blocks import INLINE, JIT, half
 from kernels.quant.rows import decode_rows, dequantize_rows
 from kernels.quant.simd import SCALE_KIND_CODES, bitfield, scale_lanes
+from kernels.quant.superblock import KBLOCK_CODES, kblock_rows
 
 PARALLEL = {**JIT, "parallel": True}
 _I8 = SCALE_KIND_CODES["i8"]
@@ -22,6 +23,9 @@ _HI4 = SCALE_KIND_CODES["hi4"]
 _K4_SCALE = SCALE_KIND_CODES["k4_scale"]
 _K4_MIN = SCALE_KIND_CODES["k4_min"]
 _K3_SCALE = SCALE_KIND_CODES["k3_scale"]
+# Q4_K and Q6_K decode in registers (superblock.py); the others through decode_rows
+_KB_Q4_K = KBLOCK_CODES["Q4_K"]
+_KB_Q6_K = KBLOCK_CODES["Q6_K"]
 
 
 # ---- Q2_K: scales[16] qs[64] d[2] dmin[2] ------------------------------------------------
@@ -187,7 +191,7 @@ def dequant_q3_k(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q4_k(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q4_k, 32, False, w, xq, xs, xsum, out, tasks)
+    kblock_rows(_KB_Q4_K, w, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -207,7 +211,7 @@ def dequant_q5_k(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q6_k(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q6_k, 16, False, w, xq, xs, xsum, out, tasks)
+    kblock_rows(_KB_Q6_K, w, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)

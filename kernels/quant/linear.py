@@ -8,7 +8,8 @@ Q6_K within a layer). The input is quantized to int8 once for all parts.
 
 Which kernel runs depends on the number of rows only (never on what else is in the
 batch): up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows, the integer decode
-kernel on two levels of int8 activations (:func:`two_level_activations`), whose row ``b``
+kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
+the k-quant super-block kernels), whose row ``b``
 depends on input row ``b`` alone; above, float32 tiles dequantized into a reused buffer
 and torch's GEMM.
 """
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.quant.activations import ACT_BLOCK, Q8Activations
+from kernels.quant.activations import ACT_BLOCK, Q8Activations, quantize_super_blocks
 from kernels.quant.blocks import JIT
 from kernels.quant.matmul import DECODE_MAX_ROWS, decode_matmul, dequantize_weight, prefill_matmul
+from kernels.quant.registry import ActivationFormat
 from kernels.quant.simd import quantize32
 from kernels.quant.weight import QuantWeight
 
@@ -35,7 +37,7 @@ class BlockLinear:
     outputs leaves the file's bytes untouched (no copy at load).
     """
 
-    __slots__ = ("parts", "bias", "perm", "batched", "in_features", "out_features")
+    __slots__ = ("parts", "bias", "perm", "batched", "in_features", "out_features", "_per32")
 
     def __init__(
         self,
@@ -57,6 +59,10 @@ class BlockLinear:
             raise ValueError(f"perm of shape {tuple(perm.shape)} for {self.out_features} outputs")
         self.bias = bias
         self.perm = perm
+        # whether any part's kernel reads activations per 32 (else only super-blocks are made)
+        self._per32 = any(
+            not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
+        )
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
     def __call__(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
@@ -83,7 +89,11 @@ class BlockLinear:
                     outs.append(_float_part(x, part))
                     continue
                 if act is None:
-                    act = two_level_activations(x.numpy())
+                    act = (
+                        two_level_activations(x.numpy())
+                        if self._per32
+                        else quantize_super_blocks(x.numpy(), levels=2)
+                    )
                 y = decode_matmul(act, part)
                 outs.append(torch.from_numpy(y[:rows] + y[rows:]))
         else:
@@ -116,7 +126,10 @@ def two_level_activations(x: np.ndarray) -> Q8Activations:
     argmax against exact weights at 4% of the positions of a 512-token text (relative
     error of the leading logit 0.7%); two levels at none (3e-5). The kernel unpacks each
     weight row once for all activation rows, so the second level costs dot products, not
-    weight reads. One numba call (three numpy calls and two quantizations took 21 us)."""
+    weight reads. One numba call (three numpy calls and two quantizations took 21 us).
+    The super-block format of the same two levels (Q4_K / Q6_K kernels) is made from
+    ``x`` on first use; a projection of those types alone makes only that one
+    (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     b, k = x.shape
     if k % ACT_BLOCK:
@@ -128,6 +141,7 @@ def two_level_activations(x: np.ndarray) -> Q8Activations:
         np.empty((2 * b, k // 32), np.float32),
     )
     _two_level(x, act.q, act.scale, act.sum16, act.sum32)
+    act.source, act.levels = x, 2
     return act
 
 

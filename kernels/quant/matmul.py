@@ -2,10 +2,11 @@
 
 Two paths, picked by the number of activation rows ``B``:
 
-* decode (``B <= DECODE_MAX_ROWS``): the activations are quantized once to int8 per 32
-  (:mod:`kernels.quant.activations`), then the type's decode kernel reads each weight row
-  once, unpacks it into a cache-resident buffer and dots it with every activation row in
-  integers (``vpdpbusd`` where the CPU has VNNI). Row ``b`` of the result depends only on
+* decode (``B <= DECODE_MAX_ROWS``): the activations are quantized once to int8, per 32 or
+  per 256 as the type's kernel wants (:mod:`kernels.quant.activations`), then the decode
+  kernel reads each weight row once and dots it with every activation row in integers
+  (``vpdpbusd`` where the CPU has VNNI): Q4_K and Q6_K unpacked in registers
+  (:mod:`kernels.quant.superblock`), the other types into a cache-resident buffer. Row ``b`` of the result depends only on
   row ``b`` of ``x``: the same bits for any batch.
 * prefill (larger ``B``): tiles of weight rows (:data:`PREFILL_TILE_BYTES`) are dequantized
   into a reused buffer (bf16 where the CPU has native bf16 dot products, else float32) and
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from kernels.quant.activations import Q8Activations, quantize_activations
+from kernels.quant.activations import Q8Activations, Q8KActivations, quantize_activations
+from kernels.quant.registry import ActivationFormat
 from kernels.quant.weight import QuantWeight
 
 __all__ = [
@@ -66,15 +68,25 @@ def prefill_dtype() -> torch.dtype:
     return torch.bfloat16 if f & {"avx512bf16", "amx-bf16"} else torch.float32
 
 
-def decode_matmul(act: Q8Activations, w: QuantWeight, out: np.ndarray | None = None) -> np.ndarray:
+def decode_matmul(
+    act: Q8Activations | Q8KActivations, w: QuantWeight, out: np.ndarray | None = None
+) -> np.ndarray:
     """float32 ``[B, N]`` from activations already quantized (share one ``act`` between
-    the weights that read the same input)."""
+    the weights that read the same input). ``Q8KActivations`` serve only the types whose
+    kernels read super-blocks (``ActivationFormat.Q8_256``)."""
     kind = w.kind
     b, k = act.shape
     if k != w.in_features:
         raise ValueError(f"activations have {k} features, weight {w.shape} expects {w.in_features}")
     if out is None:
         out = np.empty((b, w.out_features), np.float32)
+    if isinstance(act, Q8KActivations) and kind.activation is not ActivationFormat.Q8_256:
+        raise ValueError(f"{kind.name} reads activations per 32, not super-blocks")
+    if kind.activation is ActivationFormat.Q8_256:
+        ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
+        bsum = ka.bsum16 if kind.sub_block == 16 else ka.bsum32
+        kind.decode(w.data, ka.q, ka.d, bsum, out, _tasks())
+        return out
     xsum = act.sum16 if kind.sub_block == 16 else act.sum32
     kind.decode(w.data, act.q, act.scale, xsum, out, _tasks())
     return out

@@ -27,7 +27,8 @@ Q = GGMLQuantizationType
 class ActivationFormat(enum.Enum):
     """How a decode kernel wants its activations."""
 
-    Q8_32 = "int8 per 32, float32 scale"  # kernels.quant.activations
+    Q8_32 = "int8 per 32, float32 scale"  # kernels.quant.activations.Q8Activations
+    Q8_256 = "int8 per 256, float32 scale, integer sums"  # Q8KActivations (superblock.py)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class QuantType:
     sub_block: int  # elements per scale (16 or 32): the unpacker's ``fw`` / ``fo`` granularity
     signed: bool  # codes are int8 with no offset (Q8_0) rather than uint8 plus an offset
     activation: ActivationFormat
-    decode: Callable  # (w, xq, xs, xsum, out, tasks): the matrix-vector / small-batch kernel
+    # (w, xq, xs, xsum, out, tasks): the matrix-vector / small-batch kernel; for Q8_32 the
+    # scales and float sums per sub_block, for Q8_256 the scales per 256 and integer sums
+    decode: Callable
     dequant: Callable  # (w, first, out32, out16, tasks): rows first.. as float32 or bf16 bits
 
     @property
@@ -55,7 +58,13 @@ class QuantType:
         return reference_dequantize(raw, self.ggml, shape)
 
 
-def _entry(qtype: GGMLQuantizationType, family, sub_block: int, signed: bool = False) -> QuantType:
+def _entry(
+    qtype: GGMLQuantizationType,
+    family,
+    sub_block: int,
+    signed: bool = False,
+    activation: ActivationFormat = ActivationFormat.Q8_32,
+) -> QuantType:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     suffix = qtype.name.lower()
     return QuantType(
@@ -64,7 +73,7 @@ def _entry(qtype: GGMLQuantizationType, family, sub_block: int, signed: bool = F
         type_size=type_size,
         sub_block=sub_block,
         signed=signed,
-        activation=ActivationFormat.Q8_32,
+        activation=activation,
         decode=getattr(family, f"decode_{suffix}"),
         dequant=getattr(family, f"dequant_{suffix}"),
     )
@@ -80,9 +89,9 @@ QUANT_TYPES: dict[GGMLQuantizationType, QuantType] = {
         _entry(Q.Q5_1, legacy, 32),
         _entry(Q.Q2_K, kquants, 16),
         _entry(Q.Q3_K, kquants, 16),
-        _entry(Q.Q4_K, kquants, 32),
+        _entry(Q.Q4_K, kquants, 32, activation=ActivationFormat.Q8_256),
         _entry(Q.Q5_K, kquants, 32),
-        _entry(Q.Q6_K, kquants, 16),
+        _entry(Q.Q6_K, kquants, 16, activation=ActivationFormat.Q8_256),
     )
 }
 

@@ -52,6 +52,7 @@ __all__ = [
     "float_dot",
     "prefetch",
     "quantize32",
+    "quantize256",
     "host_isa",
     "scaled_dot",
 ]
@@ -472,6 +473,39 @@ SCALE_KINDS = {
 SCALE_KIND_CODES = {name: code for code, name in enumerate(SCALE_KINDS)}
 
 
+def scale_field(builder, raw, kind: str):
+    """The integer sub-block fields of ``SCALE_KINDS[kind]`` from the block's scale bytes
+    ``raw`` (a byte vector) as ``<lanes x i32>``: what :func:`scale_lanes` multiplies, and
+    what the super-block kernels multiply integer sums by."""
+    lanes, n_bytes, parts, bias, signed = SCALE_KINDS[kind]
+    vi = _vec(I32, lanes)
+    undef = ir.Constant(raw.type, ir.Undefined)
+    field = ir.Constant(vi, None)
+    for index, shift, mask, lshift in parts:
+        g = builder.shuffle_vector(raw, undef, ir.Constant(_vec(I32, lanes), index))
+        g = builder.sext(g, vi) if signed else builder.zext(g, vi)
+        if not signed:
+            g = builder.and_(builder.lshr(g, ir.Constant(vi, shift)), ir.Constant(vi, mask))
+        field = builder.or_(field, builder.shl(g, ir.Constant(vi, lshift)))
+    if bias:
+        field = builder.sub(field, ir.Constant(vi, [bias] * lanes))
+    return field
+
+
+def _int8_scale(builder, amax):
+    """``(d, inv)`` for a block whose largest magnitude is ``amax``: ``d = amax / 127``
+    and ``inv = 127 / amax`` (0 for an all-zero block) splat over 32 lanes."""
+    v32f = _vec(F32, 32)
+    d = builder.fdiv(amax, F32(127.0))
+    positive = builder.fcmp_ordered(">", amax, F32(0.0))
+    inv = builder.select(positive, builder.fdiv(F32(127.0), amax), F32(0.0))
+    one = builder.insert_element(ir.Constant(v32f, ir.Undefined), inv, I32(0))
+    invv = builder.shuffle_vector(
+        one, ir.Constant(v32f, ir.Undefined), ir.Constant(_vec(I32, 32), [0] * 32)
+    )
+    return d, invv
+
+
 @intrinsic
 def scale_lanes(typingctx, dst, src, kind, mul):
     """float32 ``dst[j] = field_kind(bytes at src)[j] * mul`` (see :data:`SCALE_KINDS`;
@@ -485,17 +519,7 @@ def scale_lanes(typingctx, dst, src, kind, mul):
     def codegen(context, builder, signature, args):
         d, s, _, mul = args
         raw = builder.load(builder.inttoptr(s, ir.PointerType(_vec(I8, n_bytes))), align=1)
-        vi = _vec(I32, lanes)
-        undef = ir.Constant(_vec(I8, n_bytes), ir.Undefined)
-        field = ir.Constant(vi, None)
-        for index, shift, mask, lshift in parts:
-            g = builder.shuffle_vector(raw, undef, ir.Constant(_vec(I32, lanes), index))
-            g = builder.sext(g, vi) if signed else builder.zext(g, vi)
-            if not signed:
-                g = builder.and_(builder.lshr(g, ir.Constant(vi, shift)), ir.Constant(vi, mask))
-            field = builder.or_(field, builder.shl(g, ir.Constant(vi, lshift)))
-        if bias:
-            field = builder.sub(field, ir.Constant(vi, [bias] * lanes))
+        field = scale_field(builder, raw, list(SCALE_KINDS)[code])
         vf = _vec(F32, lanes)
         f = builder.sitofp(field, vf)
         m1 = builder.insert_element(ir.Constant(vf, ir.Undefined), mul, I32(0))
@@ -584,13 +608,7 @@ def quantize32(typingctx, x, q, out):
         v = builder.load(builder.inttoptr(x_a, ir.PointerType(v32f)), align=4)
         mag = builder.call(_fn(builder, "llvm.fabs.v32f32", v32f, [v32f]), [v])
         amax = builder.call(_fn(builder, "llvm.vector.reduce.fmax.v32f32", F32, [v32f]), [mag])
-        d = builder.fdiv(amax, F32(127.0))
-        positive = builder.fcmp_ordered(">", amax, F32(0.0))
-        inv = builder.select(positive, builder.fdiv(F32(127.0), amax), F32(0.0))
-        one = builder.insert_element(ir.Constant(v32f, ir.Undefined), inv, I32(0))
-        invv = builder.shuffle_vector(
-            one, ir.Constant(v32f, ir.Undefined), ir.Constant(v32i, [0] * 32)
-        )
+        d, invv = _int8_scale(builder, amax)
         r = builder.call(_fn(builder, "llvm.rint.v32f32", v32f, [v32f]), [builder.fmul(v, invv)])
         i = builder.fptosi(r, v32i)
         i = builder.call(
@@ -637,6 +655,45 @@ def prefetch(typingctx, addr, nbytes):
                 builder.add(a, builder.mul(loop.index, I64(64))), ir.PointerType(I8)
             )
             builder.call(fn, [p, I32(0), I32(3), I32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def quantize256(typingctx, x, q, out):
+    """One super-block of activations: the 256 float32 at ``x`` to int8 at ``q``,
+    ``q = clamp(rint(x * 127 / amax), -127, 127)`` with ``amax`` over all 256, and
+    ``d = amax / 127`` (float32) at ``out`` (llama.cpp's Q8_K block, for the k-quant
+    kernels of :mod:`kernels.quant.superblock`)."""
+    sig = types.void(types.uintp, types.uintp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        x_a, q_a, o_a = args
+        v32f, v32i = _vec(F32, 32), _vec(I32, 32)
+        fabs = _fn(builder, "llvm.fabs.v32f32", v32f, [v32f])
+        vmax = _fn(builder, "llvm.maxnum.v32f32", v32f, [v32f, v32f])
+        chunks = [
+            builder.load(
+                builder.inttoptr(builder.add(x_a, I64(128 * c)), ir.PointerType(v32f)), align=4
+            )
+            for c in range(8)
+        ]
+        m = builder.call(fabs, [chunks[0]])
+        for v in chunks[1:]:
+            m = builder.call(vmax, [m, builder.call(fabs, [v])])
+        amax = builder.call(_fn(builder, "llvm.vector.reduce.fmax.v32f32", F32, [v32f]), [m])
+        d, invv = _int8_scale(builder, amax)
+        rint = _fn(builder, "llvm.rint.v32f32", v32f, [v32f])
+        smax = _fn(builder, "llvm.smax.v32i32", v32i, [v32i, v32i])
+        smin = _fn(builder, "llvm.smin.v32i32", v32i, [v32i, v32i])
+        for c, v in enumerate(chunks):
+            i = builder.fptosi(builder.call(rint, [builder.fmul(v, invv)]), v32i)
+            i = builder.call(smax, [i, ir.Constant(v32i, [-127] * 32)])
+            i = builder.call(smin, [i, ir.Constant(v32i, [127] * 32)])
+            dst = builder.inttoptr(builder.add(q_a, I64(32 * c)), ir.PointerType(_vec(I8, 32)))
+            builder.store(builder.trunc(i, _vec(I8, 32)), dst, align=1)
+        builder.store(d, builder.inttoptr(o_a, ir.PointerType(F32)), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

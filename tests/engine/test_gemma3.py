@@ -25,7 +25,9 @@ def gemma3(gemma3_path):
 def gemma3_hf(gemma3_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gemma3_path.parent, gguf_file=gemma3_path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -34,7 +36,11 @@ def test_gemma3_config(gemma3):
     assert cfg.arch == "gemma3" and cfg.num_layers == 18 and cfg.head_dim == 256
     assert cfg.sliding_window == 512
     assert cfg.layer_types.count("full") == 3  # every sixth layer attends globally
-    assert gemma3.quant_types.get("Q4_K") and gemma3.quant_types.get("Q6_K") and gemma3.quant_types.get("Q5_0")
+    assert (
+        gemma3.quant_types.get("Q4_K")
+        and gemma3.quant_types.get("Q6_K")
+        and gemma3.quant_types.get("Q5_0")
+    )
 
 
 def test_gemma3_logits_match_transformers(gemma3, gemma3_hf):
@@ -53,6 +59,21 @@ def test_gemma3_logits_match_transformers(gemma3, gemma3_hf):
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.999
 
 
+def test_native_mode_agrees_with_exact_weights(gemma3, gemma3_path):
+    """The default mode on Q4_K and Q6_K (the in-register super-block kernels, two levels
+    of int8 activations per 256) and Q5_0: token by token over a 512-token text, the
+    argmax of the exact weights at >= 99% of positions."""
+    from tests.engine.test_smollm2 import _agreement, _all_logits, _text_ids
+
+    native = load_model(gemma3_path)  # the default weight mode
+    assert native.weight_mode == "native"
+    ids = _text_ids(gemma3.tokenizer, 512)
+    exact = _all_logits(gemma3, ids)
+    agree, top_err = _agreement(_all_logits(native, ids, chunk=1), exact)
+    assert agree >= 0.99, f"argmax agrees on only {agree:.1%} of positions"
+    assert top_err < 0.02, f"relative error of the leading logit {top_err:.2%}"
+
+
 def test_gemma3_plain_completion_matches_transformers(gemma3, gemma3_hf):
     tok = gemma3.tokenizer
     assert not tok.has_chat_template  # a base model: plain completion
@@ -60,6 +81,8 @@ def test_gemma3_plain_completion_matches_transformers(gemma3, gemma3_hf):
     gen = make_generator(gemma3, page_size=16, tokens=64)
     text, result = complete(gen, JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=16))
     with torch.no_grad():
-        ref = gemma3_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_ids)
+        ref = gemma3_hf.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_ids
+        )
     assert result.token_ids[0] == ref[0, len(ids) :].tolist()
     assert text == tok.decode([t for t in result.token_ids[0] if t not in tok.eos_token_ids])

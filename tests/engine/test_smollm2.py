@@ -36,7 +36,12 @@ def _all_logits(loaded, ids: torch.Tensor, chunk: int | None = None) -> torch.Te
     cache = KVCache.for_model(loaded, CacheSettings(page_size=64, token_budget=ids.shape[1]))
     runner = SequenceRunner(loaded, cache, ids[0].tolist())
     step = chunk or ids.shape[1]
-    return torch.cat([runner.step(min(step, ids.shape[1] - i), all_logits=True) for i in range(0, ids.shape[1], step)])
+    return torch.cat(
+        [
+            runner.step(min(step, ids.shape[1] - i), all_logits=True)
+            for i in range(0, ids.shape[1], step)
+        ]
+    )
 
 
 def test_dequant_logits_match_transformers(smollm2_dequant, smollm2_hf):
@@ -53,7 +58,9 @@ def _agreement(packed: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]
     the exact argmax (the value sampling depends on most)."""
     best = exact.argmax(-1, keepdim=True)
     agree = (packed.argmax(-1) == best[:, 0]).float().mean().item()
-    top_err = ((packed.gather(-1, best) - exact.gather(-1, best)).norm() / exact.gather(-1, best).norm()).item()
+    top_err = (
+        (packed.gather(-1, best) - exact.gather(-1, best)).norm() / exact.gather(-1, best).norm()
+    ).item()
     return agree, top_err
 
 
@@ -68,7 +75,10 @@ def test_int4_mode_agrees_with_dequant_mode(smollm2_int4, smollm2_dequant):
     assert agree >= 0.98, f"argmax agrees on only {agree:.1%} of positions"
     assert top_err < 0.02, f"relative error of the leading logit {top_err:.2%}"
     # int4 storage alone (the bf16 copies for batched rows, when kept, are extra)
-    assert smollm2_int4.weight_bytes - smollm2_int4.batched_weights_bytes < 0.5 * smollm2_dequant.weight_bytes
+    assert (
+        smollm2_int4.weight_bytes - smollm2_int4.batched_weights_bytes
+        < 0.5 * smollm2_dequant.weight_bytes
+    )
 
 
 def test_native_mode_agrees_with_dequant_mode(smollm2_native, smollm2_dequant, smollm2_path):
@@ -101,7 +111,11 @@ def test_bf16_batch_copies_agree_with_dequant_as_well_as_int4(smollm2_int4, smol
     # two bytes per weight of every projection and of the (tied) head, counted on the
     # dequantized model's dense matrices
     dense = smollm2_dequant.model
-    params = sum(lin.weight.numel() for layer in dense.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    params = sum(
+        lin.weight.numel()
+        for layer in dense.layers
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
     assert smollm2_int4.batched_weights_bytes == 2 * (params + dense.embedding.numel())
 
 
@@ -113,7 +127,11 @@ def test_greedy_chat_matches_transformers_generate(prompt, smollm2_dequant, smol
     _, result = complete(gen, JobRequest(prompt=ids, sampling=GREEDY, max_new_tokens=32))
     with torch.no_grad():
         ref = smollm2_hf.generate(
-            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id
+            torch.tensor([ids]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=tok.eos_token_ids,
+            pad_token_id=tok.pad_token_id,
         )[0, len(ids) :].tolist()
     assert result.token_ids[0] == ref
     assert result.text == tok.decode([t for t in ref if t not in tok.eos_token_ids])
@@ -162,26 +180,40 @@ def test_a_refused_packing_loads_without_copies(smollm2_path, monkeypatch):
 
     monkeypatch.setattr(loader, "packed_bf16_available", lambda: True)
     monkeypatch.setattr(loader, "packed_bf16_supported", lambda: True)
-    real = transformer.pack_bf16
+    from kernels.bf16 import PackedBF16
+
     packed = []
 
     def fails_third_time(weight):
         if len(packed) == 2:
             raise RuntimeError("mkldnn: could not create a primitive")
         packed.append(weight.shape)
-        return real(weight)
+        # a bf16 copy as the real packing makes, without oneDNN (CPUs without bf16 lack it)
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        return PackedBF16(w, w.shape[0], w.shape[1])
 
     monkeypatch.setattr(transformer, "pack_bf16", fails_third_time)
     loaded = loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False)
     assert len(packed) == 2  # two copies were made before the failure, then dropped
     assert loaded.batched_weights_bytes == 0 and not loaded.model.has_batched_weights
-    assert loaded.weight_bytes == loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="off").weight_bytes
+    assert (
+        loaded.weight_bytes
+        == loader.load_model(
+            smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="off"
+        ).weight_bytes
+    )
     packed.clear()
-    with pytest.raises(loader.ModelLoadError, match="could not create a primitive.*'auto' or 'off'"):
-        loader.load_model(smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="on")
+    with pytest.raises(
+        loader.ModelLoadError, match="could not create a primitive.*'auto' or 'off'"
+    ):
+        loader.load_model(
+            smollm2_path, weight_mode="int4", load_tokenizer=False, batched_weights="on"
+        )
 
 
-def test_weight_estimate_before_download_matches_the_loaded_model(smollm2_path, smollm2_native, smollm2_int4):
+def test_weight_estimate_before_download_matches_the_loaded_model(
+    smollm2_path, smollm2_native, smollm2_int4
+):
     """The model manager's fit label counts what loading keeps: the file's bytes in the
     default mode; in int4 mode the repacked and fp32 weights, bf16 batch copies included."""
     from engine.hub.gguf_info import estimate_weight_bytes, summary_from_file
@@ -206,7 +238,9 @@ def test_forward_picks_bf16_copies_for_prefill_and_big_decode_batches(smollm2_in
         pytest.skip("no bf16 batch copies: this CPU has no AMX bf16 (kernels/bf16.py)")
     calls = []
     real = transformer.bf16_linear
-    monkeypatch.setattr(transformer, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(
+        transformer, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w)
+    )
     cache = KVCache.for_model(smollm2_int4, CacheSettings(page_size=16, token_budget=16 * 16))
 
     def forward(sequences: int, new_tokens: int) -> int:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.quant import DECODE_MAX_ROWS, QuantWeight, quantize_activations
+from kernels.quant import DECODE_MAX_ROWS, QuantWeight, decode_matmul, quantize_activations
+from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
 from kernels.quant.reference import reference_dequantize
@@ -37,6 +38,45 @@ def test_two_level_activations_are_x_and_its_rounding_error():
     err_one = np.abs(one.dequantize() - x).max()
     err_two = np.abs(deq[:3] + deq[3:] - x).max()
     assert err_two < err_one / 50, (err_one, err_two)
+
+
+def test_two_level_super_blocks_are_x_and_its_rounding_error():
+    """The per-256 format of the k-quant kernels: one amax per 256 elements, codes within
+    [-127, 127] and at 127 where |x| is largest, integer sums per 16 and 32 of the codes;
+    the second level quantizes what the first left, and the two are ~127x closer to x."""
+    x = np.random.default_rng(2).standard_normal((3, K)).astype(np.float32) * 4
+    x[1, 7] = 90.0  # an outlier channel, as LLM activations have
+    two = quantize_super_blocks(x, levels=2)
+    one = quantize_super_blocks(x)
+    assert np.array_equal(two.q[:3], one.q) and np.array_equal(two.d[:3], one.d)
+    amax = np.abs(x.reshape(3, -1, 256)).max(-1)
+    assert np.allclose(one.d, amax / 127, rtol=1e-6)
+    assert np.abs(one.q).max() == 127 and one.q.min() >= -127
+    q = one.q.astype(np.int64)
+    assert np.array_equal(one.bsum16, q.reshape(3, -1, 16).sum(-1))
+    assert np.array_equal(one.bsum32, q.reshape(3, -1, 32).sum(-1))
+    rest = quantize_super_blocks(x - one.dequantize())
+    assert np.array_equal(two.q[3:], rest.q) and np.array_equal(two.d[3:], rest.d)
+    deq = two.dequantize()
+    err_one = np.abs(one.dequantize() - x).max()
+    err_two = np.abs(deq[:3] + deq[3:] - x).max()
+    assert err_two < err_one / 50, (err_one, err_two)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_super_blocks(x[:, :96])
+
+
+def test_k_quant_only_projections_skip_the_per_32_format():
+    """A fused Q4_K / Q6_K projection quantizes its input per 256 only, and gets the same
+    bits as through the per-32 activations' own super-blocks; a per-32 type refuses the
+    super-block format."""
+    parts = [_weight(Q.Q4_K, 64, 1)[0], _weight(Q.Q6_K, 32, 2)[0]]
+    lin = BlockLinear(parts)
+    x = torch.randn(3, K)
+    via_per32 = two_level_activations(x.numpy())
+    want = np.concatenate([decode_matmul(via_per32, p) for p in parts], axis=1)
+    assert torch.equal(lin(x), torch.from_numpy(want[:3] + want[3:]))
+    with pytest.raises(ValueError, match="per 32"):
+        decode_matmul(quantize_super_blocks(x.numpy()), _weight(Q.Q8_0, 32, 3)[0])
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])

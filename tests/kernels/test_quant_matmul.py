@@ -35,6 +35,7 @@ from kernels.quant import (
     FLOAT_TYPES,
     HOST_ISA,
     QUANT_TYPES,
+    ActivationFormat,
     QuantWeight,
     decode_matmul,
     dequantize_weight,
@@ -72,6 +73,11 @@ def _weight(qtype, n, k, seed, source="random"):
     return raw, QuantWeight.from_raw(raw, qtype, (n, k))
 
 
+def _super(qtype) -> bool:
+    """The type's decode kernel reads activations per 256 (the k-quants of superblock.py)."""
+    return quant_type(qtype).activation is ActivationFormat.Q8_256
+
+
 def _abs_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
 
@@ -86,13 +92,16 @@ def test_decode_matches_gguf_dequantizer(qtype):
             act = quantize_activations(x)
             got = decode_matmul(act, w).astype(np.float64)
             ref_w = reference_dequantize(raw, qtype, (n, k))
-            ref = reference_matmul(x, raw, qtype, (n, k))
-            scale = _abs_product(act.dequantize(), ref_w)
+            # the activations as this type's kernel multiplies them (per 32 or per 256)
+            xq = act.values(per_super_block=_super(qtype))
+            ref = reference_matmul(xq, raw, qtype, (n, k), quantize_x=False)
+            scale = _abs_product(xq, ref_w)
             assert np.all(np.abs(got - ref) <= FP32_REL * scale + 1e-30), (qtype.name, k, source)
-            # against float activations: int8 rounding, bounded per 32-element block
+            # against float activations: int8 rounding, bounded per activation block
+            blk = 256 if _super(qtype) else 32
             exact = x.astype(np.float64) @ ref_w.astype(np.float64).T
-            amax = np.abs(x.reshape(5, -1, 32)).max(-1)  # [B, K/32]
-            wsum = np.abs(ref_w.astype(np.float64)).reshape(n, -1, 32).sum(-1)  # [N, K/32]
+            amax = np.abs(x.reshape(5, -1, blk)).max(-1)  # [B, K/blk]
+            wsum = np.abs(ref_w.astype(np.float64)).reshape(n, -1, blk).sum(-1)  # [N, K/blk]
             int8_bound = (amax / 254.0) @ wsum.T
             assert np.all(np.abs(got - exact) <= int8_bound * (1 + 1e-4) + FP32_REL * scale)
 
@@ -120,7 +129,8 @@ def test_result_is_independent_of_the_row_split():
     outs = []
     for tasks in (1, 3, 8, 200):
         out = np.empty((3, 101), np.float32)
-        kind.decode(w.data, act.q, act.scale, act.sum32, out, tasks)
+        ka = act.super_blocks()  # Q4_K's kernel reads the super-block format
+        kind.decode(w.data, ka.q, ka.d, ka.bsum32, out, tasks)
         outs.append(out)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
@@ -297,68 +307,72 @@ def test_real_q4_k_m_file_in_place(gemma3_path):
             x = rng.standard_normal((3, k)).astype(np.float32)
             act = quantize_activations(x)
             ref_w = reference_dequantize(part.data, qtype, (rows, k))
-            ref = reference_matmul(x, part.data, qtype, (rows, k))
+            xq = act.values(per_super_block=_super(qtype))
+            ref = reference_matmul(xq, part.data, qtype, (rows, k), quantize_x=False)
             got = decode_matmul(act, part)
-            assert np.all(np.abs(got - ref) <= FP32_REL * _abs_product(act.dequantize(), ref_w)), (
-                name
-            )
+            assert np.all(np.abs(got - ref) <= FP32_REL * _abs_product(xq, ref_w)), name
     finally:
         gf.close()
     assert {Q.Q4_K, Q.Q6_K} <= seen
 
 
-@pytest.mark.parametrize(
-    ("isa", "cpu", "signed", "want", "absent"),
-    [
-        ("avxvnni", "alderlake", False, r"\{vex\}\s+vpdpbusd", "zmm"),  # AVX-VNNI, no AVX-512
-        ("avx512vnni", "znver4", True, r"vpdpbusd\s+%zmm", "vpmaddubsw"),  # AMD with AVX-512
-        ("avx2", "haswell", True, r"vpmaddubsw", "zmm|vpdpbusd"),  # the floor: sign trick
-    ],
-)
-def test_codegen_for_other_cpus(isa, cpu, signed, want, absent):
-    """The ISAs this machine cannot run, compiled for a CPU that has them: the IR numba
-    builds for the dot product, emitted by LLVM for that CPU."""
+def _asm_for(intrinsic_fn, argtypes, cpu: str) -> str:
+    """The assembly LLVM emits for ``cpu`` from the IR that ``intrinsic_fn`` builds, called
+    with ``argtypes`` (integers for the addresses, literals for the compile-time
+    arguments). Built without compiling for this machine: numba would compile for the
+    host, and LLVM aborts the process when the host lacks the instructions."""
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+    from numba.core.registry import cpu_target
+
+    ctx = cpu_target.target_context
+    sig, codegen = intrinsic_fn._defn(ctx.typing_context, *argtypes)
+    module = ir.Module("codegen_check")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * len(argtypes)), "f")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    codegen(ctx, builder, sig, list(fn.args))
+    builder.ret_void()
+    machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features="", opt=3)
+    return machine.emit_assembly(llvm.parse_assembly(str(module)))
+
+
+_OTHER_CPUS = [
+    ("avxvnni", "alderlake", r"\{vex\}\s+vpdpbusd", "zmm"),  # AVX-VNNI, no AVX-512
+    ("avx512vnni", "znver4", r"vpdpbusd\s[^\n]*%zmm", "vpmaddubsw"),  # AMD with AVX-512
+    ("avx2", "haswell", r"vpmaddubsw", "zmm|vpdpbusd"),  # the floor
+]
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _OTHER_CPUS)
+def test_codegen_for_other_cpus(isa, cpu, want, absent, signed):
+    """Every ISA path of the dot product, emitted by LLVM for a CPU that has it (whatever
+    this machine has): the instructions it was written for, none of a wider ISA."""
     import re
 
-    import llvmlite.binding as llvm
-    import numba
+    from numba import types
 
     from kernels.quant.simd import scaled_dot
 
-    code = ISA_CODES[isa]
+    u, lit = types.uintp, types.literal
+    argtypes = [u] * 8 + [lit(2), lit(ISA_CODES[isa]), lit(32), lit(32), lit(signed)]
+    asm = _asm_for(scaled_dot, argtypes, cpu)
+    assert re.search(want, asm) and not re.search(absent, asm)
 
-    @numba.njit
-    def dot(c, x, fw, fx, out):
-        scaled_dot(
-            c.ctypes.data,
-            x.ctypes.data,
-            x.strides[0],
-            fw.ctypes.data,
-            fx.ctypes.data,
-            fx.strides[0],
-            c.shape[0],
-            out.ctypes.data,
-            2,
-            code,
-            32,
-            32,
-            signed,
-        )
 
-    k = 256
-    args = (
-        np.zeros(k, np.uint8),
-        np.zeros((2, k), np.int8),
-        np.zeros(k // 32, np.float32),
-        np.zeros((2, k // 32), np.float32),
-        np.zeros(2, np.float32),
-    )
-    sig = dot.compile(tuple(numba.typeof(a) for a in args))
-    module = llvm.parse_assembly(
-        dot.inspect_llvm(sig.signature if hasattr(sig, "signature") else dot.signatures[0])
-    )
-    machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features="", opt=3)
-    asm = machine.emit_assembly(module)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _OTHER_CPUS)
+def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind):
+    """The in-register super-block kernels (superblock.py) on each ISA path."""
+    import re
+
+    from numba import types
+
+    from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
+
+    u, lit = types.uintp, types.literal
+    argtypes = [u] * 9 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])]
+    asm = _asm_for(kblock_dot, argtypes, cpu)
     assert re.search(want, asm) and not re.search(absent, asm)
 
 
