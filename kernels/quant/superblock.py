@@ -9,12 +9,13 @@ registers, over a whole row of super-blocks: no store, no reload, one pass. Prof
 led here (Llama-3.2-1B shape, Q4_K_M, 2 threads, AMD EPYC): the buffered kernels read
 5-7 GB/s of a 21 GB/s bound, 123 of the 157 ms a token took.
 
-The arithmetic is :func:`~kernels.quant.simd.scaled_dot`'s: integer products summed per
-4 elements (exact), each lane converted to float32 and accumulated with one ``llvm.fma`` by
-``fw[sub] * fx[block]``; the offsets ``fo[sub] * xsum[sub]`` in their own accumulator; a
-fixed summation tree at the end. Every instruction set reaches the same integer lanes
-(:func:`~kernels.quant.simd._dot4`), so every path gives the same bits, and each activation
-row's arithmetic is the same whatever the number of rows (batch invariance).
+Activations come per 256 (:class:`~kernels.quant.activations.Q8KActivations`), so each
+super-block is summed in integers (exact): the codes' products per 4 elements, times the
+block's integer sub-block scales (folded into ``vpmaddwd`` on AVX2), and the integer
+offsets times the activations' integer sums; then one float32 step per block and row,
+``llvm.fma`` by ``d * xd`` and ``dmin * xd``, and a fixed summation tree at the end. Every
+instruction set reaches the same integers, so every path gives the same bits, and each
+activation row's arithmetic is the same whatever the number of rows (batch invariance).
 """
 
 from __future__ import annotations
@@ -284,8 +285,8 @@ def kblock_rows(kind, w, xq, xd, bsum, out, tasks):
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
     xq_at, xq_step = xq.ctypes.data, xq.strides[0]
-    xs_at, xs_step = xd.ctypes.data, xd.strides[0]
-    xsum_at, xsum_step = bsum.ctypes.data, bsum.strides[0]
+    xd_at, xd_step = xd.ctypes.data, xd.strides[0]
+    bs_at, bs_step = bsum.ctypes.data, bsum.strides[0]
     for t in numba.prange(tasks):
         dots = np.empty(4, np.float32)
         dots_at = dots.ctypes.data
@@ -297,18 +298,18 @@ def kblock_rows(kind, w, xq, xd, bsum, out, tasks):
             b = 0
             while b < batch:
                 x_at = xq_at + b * xq_step
-                s_at = xs_at + b * xs_step
-                m_at = xsum_at + b * xsum_step
+                d_at = xd_at + b * xd_step
+                m_at = bs_at + b * bs_step
                 if batch - b >= 4:
                     kblock_dot(
                         row_at,
                         nblk,
                         x_at,
                         xq_step,
-                        s_at,
-                        xs_step,
+                        d_at,
+                        xd_step,
                         m_at,
-                        xsum_step,
+                        bs_step,
                         dots_at,
                         4,
                         ISA,
@@ -321,10 +322,10 @@ def kblock_rows(kind, w, xq, xd, bsum, out, tasks):
                         nblk,
                         x_at,
                         xq_step,
-                        s_at,
-                        xs_step,
+                        d_at,
+                        xd_step,
                         m_at,
-                        xsum_step,
+                        bs_step,
                         dots_at,
                         2,
                         ISA,
@@ -337,10 +338,10 @@ def kblock_rows(kind, w, xq, xd, bsum, out, tasks):
                         nblk,
                         x_at,
                         xq_step,
-                        s_at,
-                        xs_step,
+                        d_at,
+                        xd_step,
                         m_at,
-                        xsum_step,
+                        bs_step,
                         dots_at,
                         1,
                         ISA,

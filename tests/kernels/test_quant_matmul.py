@@ -392,3 +392,31 @@ def test_integer_fp16_fallback_is_exact():
     convert(bits, out)
     ref = bits.view(np.float16).astype(np.float32)
     assert np.all((out == ref) | (np.isnan(out) & np.isnan(ref)))
+
+
+def test_superblock_soft_fp16_is_exact(monkeypatch):
+    """The super-block kernels' fp16 scales on CPUs without F16C (integer IR, which never
+    runs where F16C exists): every half exactly, run through LLVM's JIT."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+
+    from kernels.quant import superblock
+
+    monkeypatch.setattr(superblock, "HAS_F16C", False)
+    i64, f32 = ir.IntType(64), ir.FloatType()
+    module = ir.Module("soft_half")
+    fn = ir.Function(module, ir.FunctionType(f32, [i64]), "half_at")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    builder.ret(superblock._half(builder, fn.args[0]))
+    machine = llvm.Target.from_default_triple().create_target_machine()
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(str(module)), machine)
+    engine.finalize_object()
+    half_at = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_uint64)(
+        engine.get_function_address("half_at")
+    )
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.array([half_at(bits[i : i + 1].ctypes.data) for i in range(bits.size)], np.float32)
+    ref = bits.view(np.float16).astype(np.float32)
+    assert np.all((out == ref) | (np.isnan(out) & np.isnan(ref)))
