@@ -110,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "qwen2.5-3b",
             "qwen2-7b",
             "llama-3.1-8b",
+            "gemma3-270m",
             "tiny-llama",
             "tiny-qwen2",
         ),

@@ -14,7 +14,7 @@ import numba
 from kernels.quant.blocks import INLINE, JIT, half
 from kernels.quant.rows import decode_rows, dequantize_rows
 from kernels.quant.simd import SCALE_KIND_CODES, bitfield, scale_lanes
-from kernels.quant.superblock import KBLOCK_CODES, kblock_rows
+from kernels.quant.superblock import KBLOCK_CODES, kblock_rows, one_part
 
 PARALLEL = {**JIT, "parallel": True}
 _I8 = SCALE_KIND_CODES["i8"]
@@ -191,7 +191,12 @@ def dequant_q3_k(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q4_k(w, xq, xs, xsum, out, tasks):
-    kblock_rows(_KB_Q4_K, w, xq, xs, xsum, out, tasks)
+    kblock_rows(_KB_Q4_K, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q4_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    kblock_rows(_KB_Q4_K, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -211,7 +216,12 @@ def dequant_q5_k(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q6_k(w, xq, xs, xsum, out, tasks):
-    kblock_rows(_KB_Q6_K, w, xq, xs, xsum, out, tasks)
+    kblock_rows(_KB_Q6_K, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q6_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    kblock_rows(_KB_Q6_K, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)

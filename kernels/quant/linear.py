@@ -16,14 +16,27 @@ and torch's GEMM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.quant.activations import ACT_BLOCK, Q8Activations, quantize_super_blocks
+from kernels.quant.activations import (
+    ACT_BLOCK,
+    Q8Activations,
+    Q8KActivations,
+    quantize_super_blocks,
+)
 from kernels.quant.blocks import JIT
-from kernels.quant.matmul import DECODE_MAX_ROWS, decode_matmul, dequantize_weight, prefill_matmul
+from kernels.quant.matmul import (
+    DECODE_MAX_ROWS,
+    decode_matmul,
+    decode_tasks,
+    dequantize_weight,
+    prefill_matmul,
+)
 from kernels.quant.registry import ActivationFormat
 from kernels.quant.simd import quantize32
 from kernels.quant.weight import QuantWeight
@@ -37,7 +50,16 @@ class BlockLinear:
     outputs leaves the file's bytes untouched (no copy at load).
     """
 
-    __slots__ = ("parts", "bias", "perm", "batched", "in_features", "out_features", "_per32")
+    __slots__ = (
+        "parts",
+        "bias",
+        "perm",
+        "batched",
+        "in_features",
+        "out_features",
+        "_per32",
+        "_groups",
+    )
 
     def __init__(
         self,
@@ -63,6 +85,7 @@ class BlockLinear:
         self._per32 = any(
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
         )
+        self._groups = _decode_groups(self.parts)
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
     def __call__(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
@@ -82,20 +105,7 @@ class BlockLinear:
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= DECODE_MAX_ROWS:
-            act = None
-            outs = []
-            for part in self.parts:
-                if part.is_float:
-                    outs.append(_float_part(x, part))
-                    continue
-                if act is None:
-                    act = (
-                        two_level_activations(x.numpy())
-                        if self._per32
-                        else quantize_super_blocks(x.numpy(), levels=2)
-                    )
-                y = decode_matmul(act, part)
-                outs.append(torch.from_numpy(y[:rows] + y[rows:]))
+            return self._decode(x)
         else:
             # float32 tiles: exact products of the dequantized weights (bf16 tiles round
             # every output to 8 bits of mantissa: SmolLM2's argmax then moved at 2% of
@@ -106,6 +116,35 @@ class BlockLinear:
             ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Two levels of int8 activations; each group of parts in one kernel call that
+        writes its columns of the output (the levels summed in the kernel), the other
+        parts one call each."""
+        rows = x.shape[0]
+        out = np.empty((rows, self.out_features), np.float32)
+        act = (
+            two_level_activations(x.numpy())
+            if self._per32
+            else quantize_super_blocks(x.numpy(), levels=2)
+        )
+        for group in self._groups:
+            cols = out[:, group.first : group.first + group.columns]
+            if group.table is not None:
+                ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
+                kind = group.parts[0].kind
+                bsum = ka.bsum16 if kind.sub_block == 16 else ka.bsum32
+                kind.decode_parts(
+                    group.table, group.row_bytes, 2, ka.q, ka.d, bsum, cols, decode_tasks()
+                )
+                continue
+            (part,) = group.parts
+            if part.is_float:
+                cols[:] = _float_part(x, part).numpy()
+            else:
+                y = decode_matmul(act, part)
+                np.add(y[:rows], y[rows:], out=cols)
+        return torch.from_numpy(out)
+
     def nbytes(self) -> int:
         n = sum(p.nbytes for p in self.parts)
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
@@ -115,6 +154,51 @@ class BlockLinear:
 
     def batched_bytes(self) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Output columns ``first .. first + columns`` of a :class:`BlockLinear`: consecutive
+    parts of one super-block type, multiplied in one call through their row table
+    (``table``: int64 ``[P, 2]``, each part's first-row address and row count), or a
+    single part of any other type (``table`` None)."""
+
+    parts: tuple[QuantWeight, ...]
+    first: int
+    columns: int
+    row_bytes: int = 0
+    table: np.ndarray | None = None
+
+
+def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
+    groups: list[_Group] = []
+    run: list[QuantWeight] = []
+    first = 0
+
+    def fusable(p: QuantWeight) -> bool:
+        return not p.is_float and p.kind.decode_parts is not None and p.data.flags.c_contiguous
+
+    def close_run():
+        nonlocal first, run
+        if run:
+            table = np.array([[p.data.ctypes.data, p.out_features] for p in run], np.int64)
+            columns = sum(p.out_features for p in run)
+            groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table))
+            first += columns
+            run = []
+
+    for p in parts:
+        if fusable(p) and (not run or run[0].qtype == p.qtype):
+            run.append(p)
+            continue
+        close_run()
+        if fusable(p):
+            run.append(p)
+            continue
+        groups.append(_Group((p,), first, p.out_features))
+        first += p.out_features
+    close_run()
+    return groups
 
 
 def two_level_activations(x: np.ndarray) -> Q8Activations:

@@ -57,7 +57,7 @@ TASKS_PER_THREAD = 4
 _TASKS = numba.config.NUMBA_NUM_THREADS * TASKS_PER_THREAD
 
 
-def _tasks() -> int:
+def decode_tasks() -> int:
     return _TASKS
 
 
@@ -85,10 +85,10 @@ def decode_matmul(
     if kind.activation is ActivationFormat.Q8_256:
         ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
         bsum = ka.bsum16 if kind.sub_block == 16 else ka.bsum32
-        kind.decode(w.data, ka.q, ka.d, bsum, out, _tasks())
+        kind.decode(w.data, ka.q, ka.d, bsum, out, decode_tasks())
         return out
     xsum = act.sum16 if kind.sub_block == 16 else act.sum32
-    kind.decode(w.data, act.q, act.scale, xsum, out, _tasks())
+    kind.decode(w.data, act.q, act.scale, xsum, out, decode_tasks())
     return out
 
 
@@ -113,10 +113,10 @@ def dequantize_weight(
             first,
             np.empty((0, k), np.float32),
             out.view(torch.int16).numpy().view(np.uint16),
-            _tasks(),
+            decode_tasks(),
         )
     elif out.dtype == torch.float32:
-        w.kind.dequant(w.data, first, out.numpy(), np.empty((0, k), np.uint16), _tasks())
+        w.kind.dequant(w.data, first, out.numpy(), np.empty((0, k), np.uint16), decode_tasks())
     else:
         raise ValueError(f"dequantize_weight: dtype must be float32 or bfloat16, got {out.dtype}")
     return out

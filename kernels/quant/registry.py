@@ -43,6 +43,10 @@ class QuantType:
     # scales and float sums per sub_block, for Q8_256 the scales per 256 and integer sums
     decode: Callable
     dequant: Callable  # (w, first, out32, out16, tasks): rows first.. as float32 or bf16 bits
+    # Q8_256 kernels only: (parts, row_bytes, levels, xq, xs, xsum, out, tasks), the rows
+    # of several matrices of this type in one call, the two levels of int8 summed (levels
+    # 2) into out [T, N] (superblock.kblock_rows)
+    decode_parts: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -76,6 +80,7 @@ def _entry(
         activation=activation,
         decode=getattr(family, f"decode_{suffix}"),
         dequant=getattr(family, f"dequant_{suffix}"),
+        decode_parts=getattr(family, f"decode_parts_{suffix}", None),
     )
 
 

@@ -654,7 +654,7 @@ def prefetch(typingctx, addr, nbytes):
             p = builder.inttoptr(
                 builder.add(a, builder.mul(loop.index, I64(64))), ir.PointerType(I8)
             )
-            builder.call(fn, [p, I32(0), I32(3), I32(1)])
+            builder.call(fn, [p, I32(0), I32(2), I32(1)])
         return context.get_dummy_value()
 
     return sig, codegen

@@ -11,7 +11,7 @@ led here (Llama-3.2-1B shape, Q4_K_M, 2 threads, AMD EPYC): the buffered kernels
 
 Activations come per 256 (:class:`~kernels.quant.activations.Q8KActivations`), so each
 super-block is summed in integers (exact): the codes' products per 4 elements, times the
-block's integer sub-block scales (folded into ``vpmaddwd`` on AVX2), and the integer
+block's integer sub-block scales (folded into ``vpmaddwd`` or ``vpdpwssd`` on x86), and the integer
 offsets times the activations' integer sums; then one float32 step per block and row,
 ``llvm.fma`` by ``d * xd`` and ``dmin * xd``, and a fixed summation tree at the end. Every
 instruction set reaches the same integers, so every path gives the same bits, and each
@@ -48,7 +48,7 @@ from kernels.quant.simd import (
     scale_field,
 )
 
-__all__ = ["KBLOCK_CODES", "KBLOCK_KINDS", "kblock_dot", "kblock_rows"]
+__all__ = ["KBLOCK_CODES", "KBLOCK_KINDS", "kblock_dot", "kblock_rows", "one_part"]
 
 ISA = ISA_CODES[HOST_ISA]  # a compile-time constant of every kernel (see _cache.py)
 
@@ -107,21 +107,43 @@ def _pair_scales(builder, sc16, w_lanes: list[int]):
     return _pick(builder, sc16, [w_lanes[j // 2] for j in range(32)])
 
 
-def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales):
-    """``<16 x i32>``: lane ``j`` = (sum of the 4 products of elements 4j..4j+3) times
-    ``lane_scales[j]``, exact. AVX2 folds the scale into ``vpmaddwd`` (instead of a
-    multiply by ones); the other paths multiply the dot product's lanes."""
-    if isa != "avx2":
-        return builder.mul(_dot4(builder, isa, codes, x, 64, False), lane_scales)
+def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc):
+    """``acc`` (``<16 x i32>`` or None) plus lanes ``j`` = (sum of the 4 products of
+    elements 4j..4j+3) times ``lane_scales[j]``, exact. The x86 paths fold the scales into
+    the pair step: ``vpmaddubsw`` (u8 x i8 -> i16 pair sums; codes <= 63 and |x| <= 127
+    never saturate) then ``vpmaddwd`` by ``pair_scales`` (AVX2), or ``vpdpwssd``
+    accumulating straight into ``acc`` (VNNI): two instructions per 64 bytes, where a
+    ``vpdpbusd`` then a multiply of its lanes and an add took three. The generic path
+    multiplies the dot product's lanes."""
+    if isa == "generic":
+        part = builder.mul(_dot4(builder, isa, codes, x, 64, False), lane_scales)
+        return part if acc is None else builder.add(acc, part)
+    v16i = _vec(I32, 16)
+    if acc is None:
+        acc = ir.Constant(v16i, None)
+    if isa == "avx512vnni":
+        v64, v32s = _vec(I8, 64), _vec(I16, 32)
+        maddubs = _fn(builder, "llvm.x86.avx512.pmaddubs.w.512", v32s, [v64, v64])
+        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+        pairs = builder.bitcast(builder.call(maddubs, [codes, x]), v16i)
+        return builder.call(dpwssd, [acc, pairs, builder.bitcast(pair_scales, v16i)])
     v32, v16s, v8i = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [v32, v32])
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
+    if isa == "avxvnni":
+        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.256", v8i, [v8i, v8i, v8i])
+    else:
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
     halves = []
     for h in range(2):
         lo = list(range(32 * h, 32 * h + 32))
         pairs = builder.call(maddubs, [_pick(builder, codes, lo), _pick(builder, x, lo)])
         scale = _pick(builder, pair_scales, list(range(16 * h, 16 * h + 16)))
-        halves.append(builder.call(maddwd, [pairs, scale]))
+        acc_h = _pick(builder, acc, list(range(8 * h, 8 * h + 8)))
+        if isa == "avxvnni":
+            v = builder.bitcast
+            halves.append(builder.call(dpwssd, [acc_h, v(pairs, v8i), v(scale, v8i)]))
+        else:
+            halves.append(builder.add(acc_h, builder.call(maddwd, [pairs, scale])))
     return _concat(builder, halves[0], halves[1])
 
 
@@ -186,13 +208,17 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 
 
 @intrinsic
-def kblock_dot(typingctx, row, nblk, x, x_step, xd, xd_step, bs, bs_step, out, rows, isa, kind):
+def kblock_dot(
+    typingctx, row, nblk, x, x_a, x_b, xd, xd_a, xd_b, bs, bs_a, bs_b, out, rows, isa, kind
+):
     """For ``r < rows``: ``out[r]`` (float32 at ``out``) = the dot product of the weight
     row at ``row`` (``nblk`` super-blocks of ``kind``, a :data:`KBLOCK_CODES` value) with
     activation row ``r`` in super-block format (:class:`~kernels.quant.activations.
-    Q8KActivations`): int8 at ``x + r * x_step``, one float32 scale per 256 at
-    ``xd + r * xd_step``, int32 sums of the codes per sub-block (32 for Q4_K, 16 for Q6_K)
-    at ``bs + r * bs_step``. ``rows`` (1, 2 or 4), ``isa`` and ``kind`` are compile-time.
+    Q8KActivations`): int8 at ``x + (r >> 1) * x_a + (r & 1) * x_b``, one float32 scale
+    per 256 at the same offsets from ``xd`` (``xd_a``, ``xd_b``), int32 sums of the codes
+    per sub-block (32 for Q4_K, 16 for Q6_K) likewise from ``bs``: consecutive rows
+    (``x_a = 2 * x_b``), or pairs of a row and its second level (``x_b`` the distance
+    between the levels). ``rows`` (1, 2 or 4), ``isa`` and ``kind`` are compile-time.
 
     Per super-block and row, in integers (exact): ``isum = sum_s sc[s] * dot_s``,
     ``imin = sum_s mins[s] * bsum[s]``; then in float32
@@ -208,13 +234,21 @@ def kblock_dot(typingctx, row, nblk, x, x_step, xd, xd_step, bs, bs_step, out, r
     n_rows, isa_name, kind_v = lit[0], ISAS[lit[1]], lit[2]
     _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, u, i, u, i, u, rows, isa, kind)
+    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, rows, isa, kind)
 
     def codegen(context, builder, signature, args):
-        row_a, nblk_v, x_a, x_step, xd_a, xd_step, bs_a, bs_step, out_a = args[:9]
-        xr = [builder.add(x_a, builder.mul(x_step, I64(r))) for r in range(n_rows)]
-        xdr = [builder.add(xd_a, builder.mul(xd_step, I64(r))) for r in range(n_rows)]
-        bsr = [builder.add(bs_a, builder.mul(bs_step, I64(r))) for r in range(n_rows)]
+        row_a, nblk_v = args[:2]
+        out_a = args[11]
+
+        def rows_of(at, a, b):
+            return [
+                builder.add(
+                    at, builder.add(builder.mul(a, I64(r >> 1)), builder.mul(b, I64(r & 1)))
+                )
+                for r in range(n_rows)
+            ]
+
+        xr, xdr, bsr = (rows_of(*args[j : j + 3]) for j in (2, 5, 8))
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
 
         def zeros(t):
@@ -225,13 +259,13 @@ def kblock_dot(typingctx, row, nblk, x, x_step, xd, xd_step, bs, bs_step, out, r
             blk = loop.index
             base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
             d, dm, sc, mins, chunks = body(builder, base)
-            if isa_name == "avx2":
+            if isa_name == "generic":
+                lanes = [_pick(builder, sc, w_lanes) for _, _, w_lanes in chunks]
+                pairs = [None] * len(chunks)
+            else:
                 sc16 = builder.trunc(sc, _vec(I16, sc.type.count))
                 pairs = [_pair_scales(builder, sc16, w_lanes) for _, _, w_lanes in chunks]
                 lanes = [None] * len(chunks)
-            else:
-                lanes = [_pick(builder, sc, w_lanes) for _, _, w_lanes in chunks]
-                pairs = [None] * len(chunks)
             for r in range(n_rows):
                 xb = builder.add(xr[r], builder.mul(blk, I64(256)))
                 isum = None
@@ -244,8 +278,7 @@ def kblock_dot(typingctx, row, nblk, x, x_step, xd, xd_step, bs, bs_step, out, r
                             _load(builder, builder.add(xb, I64(e_lo)), _vec(I8, 32)),
                             _load(builder, builder.add(xb, I64(e_hi)), _vec(I8, 32)),
                         )
-                    part = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c])
-                    isum = part if isum is None else builder.add(isum, part)
+                    isum = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c], isum)
                 xd_v = _load(builder, builder.add(xdr[r], builder.mul(blk, I64(4))), F32, 4)
                 bsum = _load(
                     builder,
@@ -274,80 +307,107 @@ def kblock_dot(typingctx, row, nblk, x, x_step, xd, xd_step, bs, bs_step, out, r
 
 
 @numba.njit(**INLINE)
-def kblock_rows(kind, w, xq, xd, bsum, out, tasks):
-    """out[b, n] = weight row ``n`` dotted with activation row ``b``, for all b, n: the
-    rows in ``tasks`` ranges over numba's threads, 4, 2 or 1 activation rows per pass over
-    a weight row (each row's arithmetic the same whatever the pass), the next weight row
+def one_part(w):
+    """The :func:`kblock_rows` part table of one weight matrix ``w`` (uint8 ``[N, row
+    bytes]``, C-contiguous)."""
+    parts = np.empty((1, 2), np.int64)
+    parts[0, 0] = w.ctypes.data
+    parts[0, 1] = w.shape[0]
+    return parts
+
+
+@numba.njit(**INLINE)
+def _dots(kind, row_at, nblk, x_at, xd_at, bs_at, steps, dots_at, rows):
+    """One pass of :func:`kblock_dot` over ``rows`` (4, 2 or 1) activation rows, the
+    literal row count picked at run time (numba needs it at compile time)."""
+    xa, xb, da, db, sa, sb = steps[0], steps[1], steps[2], steps[3], steps[4], steps[5]
+    if rows == 4:
+        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind)
+    elif rows == 2:
+        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind)
+    else:
+        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 1, ISA, kind)
+
+
+@numba.njit(**INLINE)
+def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
+    """``out[t, n]`` = weight row ``n`` dotted with activation row ``t`` (``levels`` 1),
+    or with rows ``t`` and ``t + T`` summed (``levels`` 2: an activation and what its
+    int8 rounding left, :func:`~kernels.quant.activations.quantize_super_blocks`), for
+    every ``t < T`` and ``n``.
+
+    The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
+    part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``):
+    the parts of a fused projection (q/k/v, gate/up) in one call, wherever each lies in
+    the mapped file. The rows are split in ``tasks`` ranges over numba's threads, 4, 2 or
+    1 activation rows per pass over a weight row (each row's arithmetic the same whatever
+    the pass, so every output the same bits for any batch), the next weight row
     prefetched."""
-    n_rows, row_bytes = w.shape
-    batch = xq.shape[0]
+    n_parts = parts.shape[0]
+    n_rows = 0
+    for p in range(n_parts):
+        n_rows += parts[p, 1]
+    tokens = out.shape[0]
     nblk = xq.shape[1] // 256
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
-    xq_at, xq_step = xq.ctypes.data, xq.strides[0]
-    xd_at, xd_step = xd.ctypes.data, xd.strides[0]
-    bs_at, bs_step = bsum.ctypes.data, bsum.strides[0]
+    xq_at, xd_at, bs_at = xq.ctypes.data, xd.ctypes.data, bsum.ctypes.data
+    qs, ds, ss = xq.strides[0], xd.strides[0], bsum.strides[0]
+    steps = np.empty(6, np.int64)
+    # row r of a pass at (r >> 1) * steps[0] + (r & 1) * steps[1] (int8; then scales, sums)
+    for j, stride in enumerate((qs, ds, ss)):
+        if levels == 2:  # pairs (row t, row t + T)
+            steps[2 * j], steps[2 * j + 1] = stride, tokens * stride
+        else:  # consecutive rows
+            steps[2 * j], steps[2 * j + 1] = 2 * stride, stride
     for t in numba.prange(tasks):
         dots = np.empty(4, np.float32)
         dots_at = dots.ctypes.data
-        last = min((t + 1) * per, n_rows)
-        for n in range(t * per, last):
+        first = t * per
+        last = min(first + per, n_rows)
+        p, base = 0, 0  # the part holding row n, and its first row's index
+        while p < n_parts - 1 and first >= base + parts[p, 1]:
+            base += parts[p, 1]
+            p += 1
+        for n in range(first, last):
+            if n - base == parts[p, 1]:
+                base += parts[p, 1]
+                p += 1
+            row_at = parts[p, 0] + (n - base) * row_bytes
             if n + 1 < last:
-                prefetch(w[n + 1].ctypes.data, row_bytes)
-            row_at = w[n].ctypes.data
+                nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
+                prefetch(nxt, row_bytes)
             b = 0
-            while b < batch:
-                x_at = xq_at + b * xq_step
-                d_at = xd_at + b * xd_step
-                m_at = bs_at + b * bs_step
-                if batch - b >= 4:
-                    kblock_dot(
-                        row_at,
-                        nblk,
-                        x_at,
-                        xq_step,
-                        d_at,
-                        xd_step,
-                        m_at,
-                        bs_step,
-                        dots_at,
-                        4,
-                        ISA,
-                        kind,
-                    )
-                    step = 4
-                elif batch - b >= 2:
-                    kblock_dot(
-                        row_at,
-                        nblk,
-                        x_at,
-                        xq_step,
-                        d_at,
-                        xd_step,
-                        m_at,
-                        bs_step,
-                        dots_at,
-                        2,
-                        ISA,
-                        kind,
-                    )
+            while b < tokens:
+                step = min(4 // levels, tokens - b)
+                if step == 3:
                     step = 2
-                else:
-                    kblock_dot(
+                if levels == 2:
+                    _dots(
+                        kind,
                         row_at,
                         nblk,
-                        x_at,
-                        xq_step,
-                        d_at,
-                        xd_step,
-                        m_at,
-                        bs_step,
+                        xq_at + b * qs,
+                        xd_at + b * ds,
+                        bs_at + b * ss,
+                        steps,
                         dots_at,
-                        1,
-                        ISA,
-                        kind,
+                        2 * step,
                     )
-                    step = 1
-                for r in range(step):
-                    out[b + r, n] = dots[r]
+                    for r in range(step):
+                        out[b + r, n] = dots[2 * r] + dots[2 * r + 1]
+                else:
+                    _dots(
+                        kind,
+                        row_at,
+                        nblk,
+                        xq_at + b * qs,
+                        xd_at + b * ds,
+                        bs_at + b * ss,
+                        steps,
+                        dots_at,
+                        step,
+                    )
+                    for r in range(step):
+                        out[b + r, n] = dots[r]
                 b += step

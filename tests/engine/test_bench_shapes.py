@@ -348,3 +348,16 @@ def test_llama_bench_runs_a_tiny_file(tiny_files):
     assert report.prompt.avg > 0 and report.decode.avg > 0 and report.peak_rss_bytes > 0
     batched = llama_cpp.run_batched_bench(folder, path, 2, npp=32, ntg=8, npl=(1, 2))
     assert sorted(batched.by_batch()) == [1, 2] and batched.repack == report.repack
+
+
+def test_cli_offers_every_shape_and_quant_the_maker_knows():
+    """`folio bench forward --shape/--quant` list their choices literally (the parser is
+    built without importing the maker); they must be the maker's tables, no more, no less."""
+    from engine.cli.main import _build_parser
+
+    parser = _build_parser()
+    bench = next(a for a in parser._subparsers._group_actions if "bench" in a.choices)
+    forward = bench.choices["bench"]._subparsers._group_actions[0].choices["forward"]
+    options = {a.dest: a for a in forward._actions}
+    assert set(options["shape"].choices) == set(shapes.SHAPES)
+    assert set(options["quant"].choices) == set(shapes.QUANTS)

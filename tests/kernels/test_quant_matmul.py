@@ -235,7 +235,7 @@ from kernels.quant import HOST_ISA, QuantWeight, decode_matmul, quantize_activat
 from kernels.quant.bench import random_blocks
 from gguf import GGMLQuantizationType as Q
 out = {"isa": HOST_ISA}
-for name, k in (("Q4_K", 512), ("Q8_0", 544)):  # unsigned and signed codes
+for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544)):  # unsigned and signed codes
     qt = Q[name]
     w = QuantWeight.from_raw(random_blocks(qt, 23, k, np.random.default_rng(k)), qt, (23, k))
     x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
@@ -266,13 +266,10 @@ def _run_isa(isa: str | None) -> dict:
 
 
 def test_every_isa_path_gives_the_same_bits():
-    """The AVX2 and generic paths (the floor on other machines) against this CPU's best:
-    the same 4-element integer lanes and the same float order, so identical results."""
-    lower = [
-        isa
-        for isa, code in ISA_CODES.items()
-        if code < ISA_CODES[HOST_ISA] and isa in ("avx2", "generic")
-    ]
+    """The lower paths (AVX-VNNI, AVX2, generic: the floor on other machines) against
+    this CPU's best: the same 4-element integer lanes and the same float order, so
+    identical results."""
+    lower = [isa for isa, code in ISA_CODES.items() if code < ISA_CODES[HOST_ISA]]
     if not lower:
         pytest.skip(f"this CPU's best ISA is {HOST_ISA}")
     best = _run_isa(None)
@@ -360,8 +357,18 @@ def test_codegen_for_other_cpus(isa, cpu, want, absent, signed):
     assert re.search(want, asm) and not re.search(absent, asm)
 
 
+# The super-block kernels fold the sub-block scales into the pair step: vpmaddubsw, then
+# vpdpwssd (VNNI) or vpmaddwd (AVX2), with no vpdpbusd and no multiply of 32-bit lanes
+# in the inner loop (vpmulld: only the block's offsets, 8 or 16 lanes, per block and row).
+_SUPERBLOCK_CPUS = [
+    ("avxvnni", "alderlake", r"\{vex\}\s+vpdpwssd", "zmm|vpdpbusd"),
+    ("avx512vnni", "znver4", r"vpdpwssd\s[^\n]*%zmm", "vpdpbusd|vpmaddwd"),
+    ("avx2", "haswell", r"vpmaddwd", "zmm|vpdpwssd"),
+]
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _OTHER_CPUS)
+@pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _SUPERBLOCK_CPUS)
 def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind):
     """The in-register super-block kernels (superblock.py) on each ISA path."""
     import re
@@ -371,9 +378,10 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind):
     from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 9 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])]
+    argtypes = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])]
     asm = _asm_for(kblock_dot, argtypes, cpu)
-    assert re.search(want, asm) and not re.search(absent, asm)
+    assert re.search(want, asm) and re.search("vpmaddubsw", asm)
+    assert not re.search(absent, asm)
 
 
 def test_integer_fp16_fallback_is_exact():
