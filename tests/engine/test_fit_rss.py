@@ -1,0 +1,52 @@
+"""The fit estimate a user sees before a download (engine/hub/fit.py) against what
+loading then takes: the peak RSS of a fresh process that loads the model in the default
+(native) weight mode with a 4,096-token cache, prefills 512 tokens and decodes 32."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_CHILD = """
+import json, resource, sys
+import torch
+torch.set_num_threads(2)
+from engine.bench.forward import prefill_then_decode
+from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.hub.fit import CachePlan, estimate_fit, kv_bytes_per_token
+from engine.hub.gguf_info import summary_from_file
+from engine.model.loader import load_model
+
+path = sys.argv[1]
+summary = summary_from_file(path)
+kv = kv_bytes_per_token(summary.num_layers, summary.num_kv_heads, summary.head_dim)
+plan = CachePlan(context_tokens=4096, page_size=256)
+fit = estimate_fit(summary.weight_bytes, kv, plan, free_bytes=1 << 40)
+loaded = load_model(path)
+cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=4096))
+prefill_then_decode(loaded, cache, 512, 32)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"need": fit.need_bytes, "peak": peak, "weights": loaded.weight_bytes}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2_path", "gemma3_path"])
+def test_fit_estimate_is_within_10_percent_of_the_peak_rss(model, request):
+    path = request.getfixturevalue(model)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert abs(got["need"] - got["peak"]) <= 0.10 * got["peak"], got
