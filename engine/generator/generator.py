@@ -55,6 +55,9 @@ from engine.telemetry import StepRecord, Telemetry
 
 __all__ = ["Generator", "GeneratorSettings"]
 
+GRAMMAR_BLOCKED = (
+    "the grammar allows no token here that logit_bias / penalties leave: nothing to sample"
+)
 # A drawn token: its job, its sequence, the id, and the logits row it was drawn from.
 Drawn = tuple[Job, Sequence, int, int]
 
@@ -448,7 +451,8 @@ class Generator:
                 # No row has drawn yet, so the others sample again exactly as they would have.
                 empty = {id(picks[row][0]): picks[row][0] for row in exc.rows}
                 for job in empty.values():
-                    self._finish_job(job, StopReason.ERROR, events, NOTHING_LEFT)
+                    why = NOTHING_LEFT if job.request.grammar is None else GRAMMAR_BLOCKED
+                    self._finish_job(job, StopReason.ERROR, events, why)
                 picks = [p for p in picks if id(p[0]) not in empty]
                 continue
             return [

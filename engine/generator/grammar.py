@@ -9,15 +9,17 @@ the object's last brace), the sequence ends there, as at a stop token, without a
 on sampling the EOS; where the grammar could go on, the mask allows EOS beside the
 continuations and the sequence ends on its stop token.
 
-llguidance was chosen by measurement (`folio bench grammar`, a 150,000-token byte-level BPE
-vocabulary, three JSON schemas walked token by token, one thread, a shared 2-core VM):
-per-token mask 12-16 us median, 24-55 us mean, with no compile step over the vocabulary
-(about 1 ms to build a matcher; about 5 s once per model to index the vocabulary).
-xgrammar's per-token masks cost about the same (3-69 us median, 20-76 us mean) but each
-new schema compiles for 35-100 ms first; outlines-core compiles for 0.7-4.8 s per schema,
-masks at 100-150 us mean, and cannot nest a free JSON object deeply. llguidance also takes
-Lark grammars with embedded JSON schemas (how a forced tool call is written), and its calls
-drop the GIL.
+llguidance was chosen by measurement (`folio bench grammar`: a 150,000-token byte-level BPE
+vocabulary, three JSON schemas walked token by token, one thread, best of 3 walks, on a
+shared 2-core VM; ranges over the schemas and two runs). Per-token mask: llguidance 10-17 us
+median, 14-62 us mean; xgrammar 2-41 us median, 13-48 us mean, about the same; outlines-core
+85-265 us mean. What sets them apart is the wait before a new schema's first token:
+llguidance builds a matcher in about 1 ms (its first mask 0.1-2 ms), xgrammar compiles each
+new schema against the vocabulary for 25-75 ms, outlines-core for 0.7-6.4 s (and its regex
+for a free JSON object could not nest as deep as the bench's document). llguidance also
+takes Lark grammars with embedded JSON schemas (how a forced tool call is written), its
+calls drop the GIL, and it needs no other package. Once per model it indexes the
+vocabulary: about 4 s at 150k tokens.
 
 Only grammar rows pay: `fill_bitmasks` computes the masks of the rows that have a matcher
 (one call for all of them) and `apply_bitmask` writes -inf into those rows only, so a
@@ -151,48 +153,53 @@ class GrammarCompiler:
     """llguidance's view of one tokenizer (built once, on the first grammar: about 5 s at
     150k tokens on a 2-core VM) and the matchers of recent grammars, so a repeated schema
     compiles once. Thread-safe: the callers' threads compile (at submit), the engine thread
-    copies."""
+    copies; a compile runs outside the lock, so it never holds up the engine thread's copy."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
         self._source = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.eos_token_ids = list(eos_token_ids)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the copies made from it
+        self._tokenizer_lock = threading.Lock()
         self._llg_tokenizer: Any = None
         self._matchers: OrderedDict[Grammar, Any] = OrderedDict()
-
-    def _tokenizer(self) -> Any:
-        import llguidance
-
-        if self._llg_tokenizer is None:
-            backend = self._source.backend
-            if not self.eos_token_ids:
-                raise ValueError("the model declares no EOS token: a grammar cannot end")
-            self._llg_tokenizer = llguidance.LLTokenizer(
-                backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        return self._llg_tokenizer
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; raises ValueError naming what is wrong
         with the grammar."""
-        import llguidance
-
         with self._lock:
             prototype = self._matchers.get(grammar)
-            if prototype is None:
-                compiled = grammar.compiled()
-                prototype = llguidance.LLMatcher(self._tokenizer(), compiled, log_level=0)
-                if prototype.is_error():
-                    raise ValueError(
-                        f"the grammar is not valid: {_first_line(prototype.get_error())}"
-                    )
-                self._matchers[grammar] = prototype
-                while len(self._matchers) > _CACHED_MATCHERS:
-                    self._matchers.popitem(last=False)
-            else:
+            if prototype is not None:
                 self._matchers.move_to_end(grammar)
+                return GrammarMatcher(prototype.deep_copy())
+        prototype = self._compile(grammar)
+        with self._lock:
+            self._matchers[grammar] = prototype
+            while len(self._matchers) > _CACHED_MATCHERS:
+                self._matchers.popitem(last=False)
             return GrammarMatcher(prototype.deep_copy())
+
+    def _compile(self, grammar: Grammar) -> Any:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar.compiled(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the grammar is not valid: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def _tokenizer(self) -> Any:
+        import llguidance
+
+        with self._tokenizer_lock:
+            if self._llg_tokenizer is None:
+                if not self.eos_token_ids:
+                    raise ValueError("the model declares no EOS token: a grammar cannot end")
+                self._llg_tokenizer = llguidance.LLTokenizer(
+                    self._source.backend.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids,
+                )
+            return self._llg_tokenizer
 
 
 _compilers: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()

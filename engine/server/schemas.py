@@ -12,6 +12,11 @@ the call `Generator.prepare` makes for `JobRequest(messages=...)`, so an API cha
 chat with the same messages have the same ids and share cached pages). Knowing the length
 before submitting gives the default `max_tokens` (what the context and the cache leave)
 and errors with exact counts.
+
+`response_format` (json_object, json_schema) becomes the job's grammar
+(engine/generator/grammar.py), checked here so a schema the server cannot follow is a 400
+naming the problem; `tools` and `tool_choice` are checked and rendered by `tools.py`, whose
+forced calls (required, a named function) are a grammar too.
 """
 
 from __future__ import annotations

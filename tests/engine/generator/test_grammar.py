@@ -130,3 +130,16 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
             bit = (int(mask[row, token // 32]) >> (token % 32)) & 1
             expected = logits[row, token].item() if bit else float("-inf")
             assert masked[row, token].item() == expected
+
+
+def test_a_grammar_that_bias_leaves_nothing_ends_only_its_job(tiny_chat):
+    brace = tiny_chat.tokenizer.encode("{", add_special_tokens=False)
+    banned = SamplingSettings(temperature=0, logit_bias=((brace[0], float("-inf")),))
+    alone = run_alone(tiny_chat, _job())
+    gen = make_generator(tiny_chat)
+    blocked = gen.submit(_job(Grammar.json_object(), banned))
+    plain = gen.submit(_job())
+    results = drain(gen)
+    assert results[blocked.job_id].eos_reason == "error"
+    assert "grammar allows no token" in results[blocked.job_id].error
+    assert results[plain.job_id].token_ids == alone.token_ids
