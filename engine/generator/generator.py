@@ -24,6 +24,7 @@ import torch
 from engine.cache.kv_cache import KVCache, StepBatch
 from engine.generator.beam_search import Continuation, best_hypotheses, select_continuations
 from engine.generator.grammar import (
+    Grammar,
     GrammarCompiler,
     GrammarMatcher,
     apply_bitmask,
@@ -147,7 +148,7 @@ class Generator:
         StopAutomaton.for_stops(tuple(dict.fromkeys(request.stop_strings)))
         return prompt, stop_ids
 
-    def grammar_matcher(self, grammar) -> GrammarMatcher:
+    def grammar_matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A matcher at the start of `grammar` for this model's vocabulary; raises
         ValueError naming what is wrong with the grammar (compiled ones are cached)."""
         if self._grammars is None:
@@ -556,9 +557,9 @@ class Generator:
             )
 
     def _advance_grammar(self, seq: Sequence, token: int, step: StopStep) -> StopStep:
-        """Feed the token to the sequence's grammar (GrammarError if refused); once nothing
-        but EOS can follow and the job does not stop on it (its own stop ids), the sequence
-        ends here as at a stop token."""
+        """Feed the token to the sequence's grammar (GrammarError if refused). Once nothing
+        but EOS can follow, the sequence ends here, as at a stop token: no step is spent on
+        sampling the EOS, and a job that ignores EOS (its own stop ids) ends all the same."""
         seq.grammar.accept(token)
         if not seq.grammar.stopped:
             return step

@@ -143,3 +143,16 @@ def test_a_grammar_that_bias_leaves_nothing_ends_only_its_job(tiny_chat):
     assert results[blocked.job_id].eos_reason == "error"
     assert "grammar allows no token" in results[blocked.job_id].error
     assert results[plain.job_id].token_ids == alone.token_ids
+
+
+def test_requeues_and_cached_prompts_keep_the_grammars_place(tiny_chat):
+    """A job requeued every page (its pages given back, its prompt re-admitted from the
+    cache) goes on where its grammar was: the same tokens as a job never requeued."""
+    request = _job(Grammar.json_schema(SCHEMA), SamplingSettings(temperature=1.0, seed=11))
+    steady = run_alone(tiny_chat, request)
+    gen = make_generator(tiny_chat, max_rq_tokens=16)
+    job = gen.submit(request)
+    requeued = drain(gen)[job.job_id]
+    assert requeued.requeues > 0
+    assert requeued.token_ids == steady.token_ids
+    jsonschema.validate(json.loads(requeued.text), SCHEMA)
