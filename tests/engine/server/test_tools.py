@@ -5,16 +5,25 @@ result) renders and completes; calls are parsed out of text; the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jsonschema
 import openai
 import pytest
 
+from engine.generator.job import JobRequest
 from engine.model.loader import load_model
 from engine.server.app import Server, ServerSettings
 from engine.server.schemas import ModelLimits, parse_chat
-from engine.server.tools import Choice, Tool, ToolCallStream, ToolFormat, ToolRequest
+from engine.server.tools import (
+    Choice,
+    Tool,
+    ToolCallStream,
+    ToolFormat,
+    ToolRequest,
+    parse_tools,
+)
 from tests.engine.server.conftest import MODEL_ID, make_engine, wait_idle
 from tests.engine.tiny_models import HERMES_TOOLS, write_chat_model
 
@@ -51,16 +60,25 @@ def tool_model(tmp_path_factory):
     return load_model(write_chat_model(folder, template=HERMES_TOOLS, context=2048, seed=5))
 
 
+@contextlib.contextmanager
+def _served(loaded):
+    """`folio serve` on its own engine for `loaded`, and the official client on it."""
+    engine = make_engine(loaded, cache_tokens=8192)
+    settings = ServerSettings(port=0, model_id=MODEL_ID, max_tokens=256)
+    try:
+        with Server(engine, settings) as server:
+            with openai.OpenAI(
+                base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+            ) as client:
+                yield client, engine
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tool_client(tool_model):
-    engine = make_engine(tool_model, cache_tokens=8192)
-    settings = ServerSettings(port=0, model_id=MODEL_ID, max_tokens=256)
-    with Server(engine, settings) as server:
-        with openai.OpenAI(
-            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
-        ) as client:
-            yield client, engine
-    engine.shutdown()
+    with _served(tool_model) as served:
+        yield served
 
 
 def _ask(client, tool_choice, messages=QUESTION, **kwargs):
@@ -139,6 +157,45 @@ def test_the_round_trip_renders_and_completes(tool_client, tool_model):
     assert f'"name": "{call.function.name}", "arguments": {arguments}' in prompt
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
     assert prompt.count("<tools>") == 1 and '"name": "search"' in prompt
+
+
+# Llama 3.1's way, on the tiny model's ChatML tokens: the call is the whole reply, a JSON
+# object with "parameters"; results come back in an "ipython" turn.
+LLAMA_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}"
+    '\nReply with {"name": ..., "parameters": {...}}<|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    '{%- for c in m.tool_calls %}{"name": "{{ c.function.name }}", '
+    '"parameters": {{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>\n'
+    "{%- elif m.role == 'tool' %}<|im_start|>ipython\n{{ m.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_llama_style_template_gets_its_own_call_format(tmp_path):
+    folder = write_chat_model(tmp_path / "tiny-llama-tools", template=LLAMA_TOOLS, context=2048)
+    loaded = load_model(folder)
+    named = {"type": "function", "function": {"name": "search"}}
+    request = parse_tools({"tools": TOOLS, "tool_choice": named}, loaded.tokenizer, MODEL_ID)
+    assert request.format is ToolFormat.LLAMA3_JSON
+    with _served(loaded) as (client, engine):
+        # what the model writes: the bare JSON call, with "parameters"
+        prompt = loaded.tokenizer.encode_chat(QUESTION, tools=request.for_template())
+        job = JobRequest(prompt=prompt, max_new_tokens=200, grammar=request.grammar())
+        raw = engine.generate(job, timeout=120).text
+        assert raw.startswith('{"name": "search", "parameters": {"query": '), raw
+        for stream in (False, True):
+            if stream:
+                chunks = list(_ask(client, named, stream=True))
+                deltas = [ch.delta for chunk in chunks for ch in chunk.choices]
+                (call,) = [c for d in deltas for c in d.tool_calls or ()]
+                assert "".join(d.content or "" for d in deltas) == ""
+            else:
+                (call,) = _ask(client, named).choices[0].message.tool_calls
+            assert call.function.name == "search"
+            _check_call(call)
 
 
 def _hermes(choice: Choice = Choice.AUTO) -> ToolRequest:
