@@ -174,6 +174,18 @@ def _build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WEIGHT_MODE,
         help="weight mode of the model (each record names it)",
     )
+    grammar = bsub.add_parser(
+        "grammar",
+        help="constrained decoding: per-token mask time per library at a 150k vocabulary",
+    )
+    grammar.add_argument("--vocab", type=int, default=150_000, help="vocabulary size")
+    grammar.add_argument("--rounds", type=int, default=3, help="walks per schema; the best")
+    grammar.add_argument(
+        "--libraries",
+        nargs="+",
+        choices=("llguidance", "xgrammar", "outlines-core"),
+        help="default: every one installed",
+    )
     load = bsub.add_parser(
         "load",
         help="300 random jobs from 4 threads, cancels, a small cache: every job must end cleanly",
@@ -254,6 +266,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.batched import run_serve_bench
 
         run_serve_bench(args)
+    elif args.bench_command == "grammar":
+        from engine.bench.grammar import run_grammar_bench
+
+        run_grammar_bench(args)
     elif args.bench_command == "load":
         from engine.bench.load import run_load_bench
 

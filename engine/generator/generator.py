@@ -23,6 +23,14 @@ import torch
 
 from engine.cache.kv_cache import KVCache, StepBatch
 from engine.generator.beam_search import Continuation, best_hypotheses, select_continuations
+from engine.generator.grammar import (
+    Grammar,
+    GrammarCompiler,
+    GrammarMatcher,
+    apply_bitmask,
+    compiler_for,
+    fill_bitmasks,
+)
 from engine.generator.job import (
     EventKind,
     Job,
@@ -42,12 +50,15 @@ from engine.generator.sampler import (
 )
 from engine.generator.scheduler import Scheduler
 from engine.generator.settings import GeneratorSettings
-from engine.generator.stops import StopAutomaton, StopHandler, StopReason
+from engine.generator.stops import StopAutomaton, StopHandler, StopReason, StopStep
 from engine.model.loader import LoadedModel
 from engine.telemetry import StepRecord, Telemetry
 
 __all__ = ["Generator", "GeneratorSettings"]
 
+GRAMMAR_BLOCKED = (
+    "the grammar allows no token here that logit_bias / penalties leave: nothing to sample"
+)
 # A drawn token: its job, its sequence, the id, and the logits row it was drawn from.
 Drawn = tuple[Job, Sequence, int, int]
 
@@ -80,6 +91,7 @@ class Generator:
         self._seq_ids = itertools.count(1)
         self.seq_jobs: dict[int, int] = {}  # live sequence id -> job id
         self.steps = 0
+        self._grammars: GrammarCompiler | None = None
 
     # -- the public surface ----------------------------------------------------------
 
@@ -129,10 +141,21 @@ class Generator:
             if ids and max(ids) >= vocab:
                 raise ValueError(f"{name} {max(ids)} is outside the vocabulary (0..{vocab - 1})")
         self.scheduler.check_fits(request, len(prompt))
+        if request.grammar is not None:
+            self.grammar_matcher(request.grammar)  # compiled here, in the caller's thread
         stop_ids = frozenset(tokenizer.eos_token_ids if stops is None else stops)
         # built here, in the caller's thread, so the engine thread finds it made (stops.py)
         StopAutomaton.for_stops(tuple(dict.fromkeys(request.stop_strings)))
         return prompt, stop_ids
+
+    def grammar_matcher(self, grammar: Grammar) -> GrammarMatcher:
+        """A matcher at the start of `grammar` for this model's vocabulary; raises
+        ValueError naming what is wrong with the grammar (compiled ones are cached)."""
+        if self._grammars is None:
+            if not hasattr(self.tokenizer, "backend"):
+                raise ValueError("this model has no tokenizer: a grammar needs one")
+            self._grammars = compiler_for(self.tokenizer, self.loaded.config.vocab_size)
+        return self._grammars.matcher(grammar)
 
     def new_job_id(self) -> int:
         return next(self._job_ids)
@@ -415,9 +438,11 @@ class Generator:
         """One sampler call over the picks; a job whose row has no token left ends."""
         while picks:
             index = torch.tensor([row for _, _, row in picks])
+            rows = logits[index]  # a copy: the grammar masks below touch only it
             try:
+                self._mask_grammar_rows(rows, picks)
                 chosen = self.sampler.sample(
-                    logits[index],
+                    rows,
                     [job.request.sampling for job, _, _ in picks],
                     [seq.rng for _, seq, _ in picks],
                     [job.prompt_ids for job, _, _ in picks],
@@ -427,13 +452,31 @@ class Generator:
                 # No row has drawn yet, so the others sample again exactly as they would have.
                 empty = {id(picks[row][0]): picks[row][0] for row in exc.rows}
                 for job in empty.values():
-                    self._finish_job(job, StopReason.ERROR, events, NOTHING_LEFT)
+                    why = NOTHING_LEFT if job.request.grammar is None else GRAMMAR_BLOCKED
+                    self._finish_job(job, StopReason.ERROR, events, why)
                 picks = [p for p in picks if id(p[0]) not in empty]
                 continue
             return [
                 (job, seq, int(t), row) for (job, seq, row), t in zip(picks, chosen, strict=True)
             ]
         return []
+
+    def _mask_grammar_rows(
+        self, rows: torch.Tensor, picks: list[tuple[Job, Sequence, int]]
+    ) -> None:
+        """-inf in the rows of sequences with a grammar wherever it allows no token; the
+        other rows are not touched, so their tokens are what they would be alone. Raises
+        NothingToSample for rows whose grammar allows nothing (a failed matcher)."""
+        constrained = [i for i, (_, seq, _) in enumerate(picks) if seq.grammar is not None]
+        if not constrained:
+            return
+        masks = fill_bitmasks([picks[i][1].grammar for i in constrained], rows.shape[1])
+        part = rows[constrained]
+        apply_bitmask(part, masks)
+        rows[constrained] = part
+        empty = torch.isneginf(part).all(dim=-1).nonzero().flatten().tolist()
+        if empty:
+            raise NothingToSample([constrained[i] for i in empty])
 
     def _logprobs(
         self, drawn: list[Drawn], logits: torch.Tensor, events: list[JobEvent]
@@ -474,6 +517,7 @@ class Generator:
             seq = self._new_sequence(job, i, list(first.tokens))
             seq.alloc = self.pages.fork(first.alloc, seq.seq_id)
             seq.stored = first.stored
+            seq.grammar = first.grammar.fork() if first.grammar is not None else None
             job.sequences.append(seq)
         job.forked = True
 
@@ -486,6 +530,8 @@ class Generator:
         events: list[JobEvent],
     ) -> None:
         step = seq.stops.feed(token)
+        if seq.grammar is not None and step.finished is None:
+            step = self._advance_grammar(seq, token, step)
         seq.tokens.append(token)
         seq.generated.append(token)
         # Stop handling holds back text, never ids: the fed token is in this step's ids
@@ -509,6 +555,16 @@ class Generator:
                     tag=job.tag,
                 )
             )
+
+    def _advance_grammar(self, seq: Sequence, token: int, step: StopStep) -> StopStep:
+        """Feed the token to the sequence's grammar (GrammarError if refused). Once nothing
+        but EOS can follow, the sequence ends here, as at a stop token: no step is spent on
+        sampling the EOS, and a job that ignores EOS (its own stop ids) ends all the same."""
+        seq.grammar.accept(token)
+        if not seq.grammar.stopped:
+            return step
+        end = seq.stops.finish(StopReason.STOP_TOKEN)
+        return StopStep(step.text + end.text, step.token_ids, StopReason.STOP_TOKEN)
 
     # -- beam search on the cache (§8) ---------------------------------------------------
 
@@ -641,6 +697,8 @@ class Generator:
         self.seq_jobs[seq_id] = job.job_id
         req = job.request
         seq = Sequence(seq_id, index, tokens)
+        if index == 0 and req.grammar is not None:
+            seq.grammar = self.grammar_matcher(req.grammar)
         if not job.beam:
             seed = req.sampling.seed
             seq.rng = make_generator(None if seed is None else (seed + index) % 2**64)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.cache.page_table import Allocation, PageTable
+from engine.generator.grammar import Grammar, GrammarMatcher
 from engine.generator.sampler import SamplingSettings
 from engine.generator.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StopHandler
 
@@ -47,6 +48,7 @@ class JobRequest:
     beam_width: int = 1  # > 1: beam search (greedy over summed log-probabilities)
     length_penalty: float = 1.0  # beam score = sum log p / length ** length_penalty
     logprobs: int | None = None  # k: each sampled token's log-probability and the k likeliest
+    grammar: Grammar | None = None  # the output must match it (constrained decoding)
     tag: Any = None  # the caller's label (a conversation id, say), echoed in snapshots
 
     def validate(self) -> None:
@@ -75,6 +77,7 @@ class JobRequest:
         if not (_is_real(lp) and math.isfinite(lp) and abs(lp) <= 100):
             raise ValueError(f"length_penalty must be a number in [-100, 100], got {lp!r:.40}")
         _check_logprobs(self.logprobs, self.beam_width)
+        _check_grammar(self.grammar, self.beam_width)
         _check_stop_strings(self.stop_strings)
         if self.stop_token_ids is not None:
             _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
@@ -123,6 +126,18 @@ def _check_logprobs(k: object, beam_width: int) -> None:
         raise ValueError(
             "logprobs are not available with beam search: leave logprobs or beam_width out"
         )
+
+
+def _check_grammar(grammar: object, beam_width: int) -> None:
+    if grammar is None:
+        return
+    if not isinstance(grammar, Grammar):
+        raise ValueError(f"grammar must be a Grammar, got {type(grammar).__name__}")
+    grammar.validate()
+    if beam_width > 1:
+        # Beams fork and are pruned every step; each would need its own matcher, copied and
+        # dropped with it. Not done: constrained decoding samples (or is greedy).
+        raise ValueError("a grammar is not available with beam search: leave one of them out")
 
 
 def _check_stop_strings(stops: object) -> None:
@@ -271,6 +286,7 @@ class Sequence:
     alloc: Allocation | None = None
     stops: StopHandler | None = None
     rng: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # where the output is in the job's grammar
     score: float = 0.0  # beam search: sum of log-probabilities
     finished: str = ""
 

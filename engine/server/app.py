@@ -227,7 +227,8 @@ class _Routes:
         if error is not None:
             raise error
         asked = api.logprobs is not None
-        return JSONResponse(responses.completion(head, result, asked, state.tokenizer))
+        reply = responses.completion(head, result, asked, state.tokenizer, api.tools)
+        return JSONResponse(reply)
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from engine.generator.job import JobResult, TokenLogprob
 from engine.generator.stops import StopReason
 from engine.server.errors import APIError
 from engine.server.schemas import Kind
+from engine.server.tools import ToolCall, ToolRequest
 
 FINISH_REASONS = {
     StopReason.STOP_TOKEN: "stop",
@@ -44,8 +45,11 @@ class Head:
         }
 
 
-def finish_reason(reason: str) -> str:
-    return FINISH_REASONS.get(reason, reason)
+def finish_reason(reason: str, called: bool = False) -> str:
+    """OpenAI's finish reason for an engine's; a reply that ended by itself having made
+    tool calls finished for "tool_calls"."""
+    out = FINISH_REASONS.get(reason, reason)
+    return "tool_calls" if called and out == "stop" else out
 
 
 def job_error(result: JobResult) -> APIError | None:
@@ -71,20 +75,33 @@ def usage(result: JobResult) -> dict[str, Any]:
     }
 
 
-def completion(head: Head, result: JobResult, logprobs: bool, tokenizer: Any) -> dict[str, Any]:
+def completion(
+    head: Head,
+    result: JobResult,
+    logprobs: bool,
+    tokenizer: Any,
+    tools: ToolRequest | None = None,
+) -> dict[str, Any]:
     """A whole (non-streamed) chat completion or text completion; `logprobs`: the request
-    asked for them (the result has them per sample)."""
+    asked for them (the result has them per sample); `tools`: calls are parsed out of each
+    reply into `message.tool_calls`."""
     choices = []
     for i, (text, reason) in enumerate(zip(result.texts, result.eos_reasons)):
         entries = result.logprobs[i] if logprobs else None
         choice: dict[str, Any] = {"index": i}
+        calls: list[ToolCall] = []
         if head.kind is Kind.CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
+            content: str | None = text
+            if tools is not None:
+                content, calls = tools.parse(text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.as_dict() for c in calls]
             choice["logprobs"] = chat_logprobs(entries, tokenizer)
         else:
             choice["text"] = text
             choice["logprobs"] = completion_logprobs(entries, tokenizer)
-        choice["finish_reason"] = finish_reason(reason)
+        choice["finish_reason"] = finish_reason(reason, bool(calls))
         choices.append(choice)
     return {**head.fields(), "choices": choices, "usage": usage(result)}
 
@@ -97,6 +114,7 @@ def chunk(
     role: bool = False,
     finish: str | None = None,
     logprobs: Any = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
     """One streamed piece of one choice."""
     choice: dict[str, Any] = {"index": index}
@@ -104,6 +122,8 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [c.as_dict(i) for i, c in enumerate(tool_calls)]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

@@ -12,19 +12,27 @@ the call `Generator.prepare` makes for `JobRequest(messages=...)`, so an API cha
 chat with the same messages have the same ids and share cached pages). Knowing the length
 before submitting gives the default `max_tokens` (what the context and the cache leave)
 and errors with exact counts.
+
+`response_format` (json_object, json_schema) becomes the job's grammar
+(engine/generator/grammar.py), checked here so a schema the server cannot follow is a 400
+naming the problem; `tools` and `tool_choice` are checked and rendered by `tools.py`, whose
+forced calls (required, a named function) are a grammar too.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from engine.generator.grammar import Grammar
 from engine.generator.job import JobRequest
 from engine.generator.sampler import SamplingSettings
 from engine.server.errors import APIError, invalid, unsupported
+from engine.server.tools import ToolRequest, assistant_tool_calls, parse_tools
 
 # What the API allows beyond which a request is refused before any work. OpenAI's own
 # limits where it has them (logit_bias, top_logprobs); generous ones elsewhere.
@@ -35,7 +43,8 @@ MAX_LOGIT_BIAS = 300
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class Kind(StrEnum):
@@ -73,18 +82,16 @@ class APIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: no logprobs; k: the chosen token's and the k most likely
+    tools: ToolRequest | None = None  # tool calls are parsed out of the output
 
 
 def parse_chat(body: Mapping[str, Any], limits: ModelLimits, tokenizer: Any) -> APIRequest:
     """A /v1/chat/completions body as a job; raises APIError."""
     _check_model(body, limits)
-    _refuse_unsupported(body, ("tools", "functions", "audio", "prediction", "web_search_options"))
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise unsupported(name)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
-        raise unsupported("response_format", " other than {'type': 'text'}")
+    _refuse_unsupported(body, ("functions", "audio", "prediction", "web_search_options"))
+    if body.get("function_call") not in (None, "none"):
+        raise unsupported("function_call", ": send tools and tool_choice")
+    tools = parse_tools(body, tokenizer, limits.model_id)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise unsupported("modalities", " other than ['text']")
@@ -97,7 +104,9 @@ def parse_chat(body: Mapping[str, Any], limits: ModelLimits, tokenizer: Any) -> 
             code="no_chat_template",
         )
     try:
-        prompt = list(tokenizer.encode_chat(messages))
+        prompt = list(
+            tokenizer.encode_chat(messages, tools=tools.for_template() if tools else None)
+        )
     except ValueError as exc:  # the template refused the conversation, or bad text
         raise invalid(f"messages: {exc}", "messages") from None
     logprobs = None
@@ -106,7 +115,9 @@ def parse_chat(body: Mapping[str, Any], limits: ModelLimits, tokenizer: Any) -> 
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-    return _request(Kind.CHAT, body, limits, prompt, asked, logprobs)
+    grammar = _one_grammar(_response_format(body.get("response_format")), tools)
+    request = _request(Kind.CHAT, body, limits, prompt, asked, logprobs, grammar)
+    return replace(request, tools=tools)
 
 
 def parse_completion(body: Mapping[str, Any], limits: ModelLimits, tokenizer: Any) -> APIRequest:
@@ -121,7 +132,8 @@ def parse_completion(body: Mapping[str, Any], limits: ModelLimits, tokenizer: An
     if logprobs is not None:
         logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     asked = _max_tokens(body, ("max_tokens",))
-    request = _request(Kind.COMPLETION, body, limits, prompt, asked, logprobs)
+    grammar = _response_format(body.get("response_format"))
+    request = _request(Kind.COMPLETION, body, limits, prompt, asked, logprobs, grammar)
     best_of = body.get("best_of")
     if best_of is not None and best_of != request.job.n:
         raise unsupported("best_of", " different from n")
@@ -138,6 +150,7 @@ def _request(
     prompt: list[int],
     asked: tuple[str, int] | None,
     logprobs: int | None,
+    grammar: Grammar | None,
 ) -> APIRequest:
     """The parts both endpoints share; `asked` is the max_tokens field given and its value."""
     n = _integer(body, "n", 1, 1, min(MAX_N, limits.max_batch_size))
@@ -153,6 +166,7 @@ def _request(
         stop_token_ids=stop_ids,
         n=n,
         logprobs=logprobs,
+        grammar=grammar,
     )
     try:
         job.validate()
@@ -168,6 +182,74 @@ def _request(
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = _boolean(options, "include_usage", False, "stream_options.include_usage")
     return APIRequest(kind, job, stream, include_usage, logprobs)
+
+
+def _one_grammar(response_format: Grammar | None, tools: ToolRequest | None) -> Grammar | None:
+    """The grammar of a chat: its response_format's or a forced tool call's, not both."""
+    forced = tools.grammar() if tools is not None else None
+    if forced is not None and response_format is not None:
+        raise invalid(
+            "response_format and a required or named tool_choice both constrain the reply: "
+            "send one of them",
+            "response_format",
+        )
+    return forced or response_format
+
+
+def _response_format(value: Any) -> Grammar | None:
+    """`response_format` as the grammar the output must follow: none for text, any JSON
+    object for json_object, the given schema for json_schema (checked here, so a schema the
+    server cannot follow is a 400 naming the problem, before any work)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise invalid(
+            'response_format must be an object: {"type": "text" | "json_object" | "json_schema"}',
+            "response_format",
+        )
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind != "json_schema":
+        raise invalid(
+            f"response_format.type must be text, json_object or json_schema, got {kind!r:.40}",
+            "response_format",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise invalid(
+            'response_format.json_schema must be an object: {"name": ..., "schema": {...}}',
+            "response_format",
+        )
+    name = spec.get("name")
+    if not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
+        raise invalid(
+            "response_format.json_schema.name must be 1-64 letters, digits, _ or -, "
+            f"got {name!r:.40}",
+            "response_format",
+        )
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise invalid("response_format.json_schema.strict must be true or false", "response_format")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise invalid(
+            "response_format.json_schema.schema must be a JSON schema object, "
+            f"got {type(schema).__name__}",
+            "response_format",
+        )
+    grammar = Grammar.json_schema(schema)
+    try:
+        grammar.check()
+    except ValueError as exc:
+        raise APIError(
+            400,
+            f"response_format.json_schema.schema ({name}) cannot be followed: {exc}",
+            param="response_format",
+            code="invalid_json_schema",
+        ) from None
+    return grammar
 
 
 def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
@@ -192,30 +274,43 @@ def _refuse_unsupported(body: Mapping[str, Any], names: tuple[str, ...]) -> None
             raise unsupported(name)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template takes them: a role and text content. Text
-    parts are joined; `developer` is the newer name of `system`."""
+    parts are joined; `developer` is the newer name of `system`; an assistant's tool calls
+    and a tool's result keep their fields (`tool_calls`, `tool_call_id`, `name`)."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise invalid(f"{where} must be an object with role and content", "messages")
-        role = message.get("role")
-        if role == "tool" or message.get("tool_calls"):
-            raise unsupported("messages", f" with tool calls ({where})")
-        if role not in ROLES:
-            raise invalid(
-                f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r:.40}",
-                "messages",
-            )
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append(
-            {"role": "system" if role == "developer" else role, "content": _text(content, where)}
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(value)]
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise invalid(f"{where} must be an object with role and content", "messages")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(
+            f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r:.40}",
+            "messages",
         )
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if content is None and role == "assistant":
+        content = ""
+    out: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": _text(content, where),
+    }
+    if calls is not None:
+        if role != "assistant":
+            raise invalid(f"{where}: only assistant messages carry tool_calls", "messages")
+        out["tool_calls"] = assistant_tool_calls(calls, where)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id must name the call this answers", "messages")
+        out["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
     return out
 
 

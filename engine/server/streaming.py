@@ -34,6 +34,7 @@ from engine.server.errors import APIError
 from engine.server.responses import Head
 from engine.server.schemas import APIRequest, Kind
 from engine.server.tag import ApiTag
+from engine.server.tools import ToolCallStream
 
 
 class _Mailbox:
@@ -161,17 +162,21 @@ async def stream_chunks(
     job: ApiJob, api: APIRequest, head: Head, tokenizer: Any
 ) -> AsyncIterator[bytes]:
     """The events of a job as OpenAI stream chunks: per choice its text as it comes and a
-    chunk with its finish reason; then usage if asked; then `data: [DONE]`."""
+    chunk with its finish reason; then usage if asked; then `data: [DONE]`. With tools, a
+    choice's calls are held back until whole and go out as one `delta.tool_calls` chunk
+    before its finish reason (`ToolCallStream`)."""
     if api.kind is Kind.CHAT:
         for i in range(api.job.n):
             yield sse(responses.chunk(head, i, "", role=True))
     finished: set[int] = set()
     offsets: dict[int, int] = defaultdict(int)
+    calls = {i: ToolCallStream(api.tools) for i in range(api.job.n)} if api.tools else None
     async for event in job.events():
         if event.kind is EventKind.STREAMING:
             i = event.index
             entries = event.logprobs if api.logprobs is not None else None
-            if event.text or entries:
+            text = calls[i].feed(event.text) if calls else event.text
+            if text or entries:
                 if api.kind is Kind.CHAT:
                     logprobs = responses.chat_logprobs(entries, tokenizer)
                 else:
@@ -179,10 +184,11 @@ async def stream_chunks(
                     # Offsets count the tokens' own texts, as the whole response does: the
                     # text released so far lags them while stop handling holds text back.
                     offsets[i] += sum(map(len, logprobs["tokens"])) if logprobs else 0
-                yield sse(responses.chunk(head, i, event.text, logprobs=logprobs))
+                yield sse(responses.chunk(head, i, text, logprobs=logprobs))
             if event.finished:
                 finished.add(i)
-                yield sse(responses.chunk(head, i, finish=responses.finish_reason(event.finished)))
+                for piece in _closing(head, i, event.finished, calls):
+                    yield piece
         elif event.eos:
             result = event.result
             assert result is not None
@@ -192,10 +198,29 @@ async def stream_chunks(
                 break
             for i, reason in enumerate(result.eos_reasons):
                 if i not in finished:
-                    yield sse(responses.chunk(head, i, finish=responses.finish_reason(reason)))
+                    for piece in _closing(head, i, reason, calls):
+                        yield piece
             if api.include_usage:
                 yield sse(responses.usage_chunk(head, result))
     yield sse("[DONE]")
+
+
+def _closing(
+    head: Head, index: int, reason: str, calls: dict[int, ToolCallStream] | None
+) -> list[bytes]:
+    """A choice's last chunks: with tools, the text held back and its calls; then the
+    finish reason ("tool_calls" when it called any)."""
+    out = []
+    made: list = []
+    if calls is not None:
+        rest, made = calls[index].finish()
+        if rest:
+            out.append(sse(responses.chunk(head, index, rest)))
+        if made:
+            out.append(sse(responses.chunk(head, index, tool_calls=made)))
+    finish = responses.finish_reason(reason, bool(made))
+    out.append(sse(responses.chunk(head, index, finish=finish)))
+    return out
 
 
 class EventStreamResponse(StreamingResponse):

@@ -96,7 +96,7 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name("tiny")
     if with_tokenizer:
-        byte_chars = list(gguf_vocab._bytes_to_unicode().values())
+        byte_chars = list(gguf_vocab.bytes_to_unicode().values())
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         tokens = specials + byte_chars + ["Ġt", "he", "Ġthe"]
         writer.add_tokenizer_model(tokenizer_model)

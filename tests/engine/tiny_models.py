@@ -193,6 +193,30 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML with tools the way Qwen 2.5 / Hermes templates render them (shortened): the tools
+# in the system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, results as
+# <tool_response> in a user turn.
+HERMES_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "Tools:\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% if m.content %}{{ m.content }}\n{% endif %}"
+    "{%- for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 
 
 def write_chat_model(

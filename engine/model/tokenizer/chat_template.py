@@ -323,6 +323,19 @@ def _jinja_env():
 
 
 @lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The names a template reads from its context (`messages`, `tools`, ...): whether it
+    takes tools is whether it reads `tools`. A template that does not parse reads none."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_jinja_env().parse(template)))
+    except jinja2.TemplateError:
+        return frozenset()
+
+
+@lru_cache(maxsize=16)
 def _compile_template(template: str):
     return _jinja_env().from_string(template)
 

@@ -270,7 +270,9 @@ def _convert_gguf_tokenizer(
 # --------------------------------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table of bytes to the printable characters byte-level vocabularies spell
+    them with (also what `folio bench grammar` builds its vocabulary in)."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
         + list(range(ord("¡"), ord("¬") + 1))
@@ -386,7 +388,7 @@ def _spm_backend(tokenizer_dict: dict, style: str) -> tokenizers.Tokenizer:
 
 
 def _byte_level_backend(tokenizer_dict: dict) -> tokenizers.Tokenizer:
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
         token
@@ -468,7 +470,7 @@ def _builtin_convert(architecture: str, tokenizer_dict: dict, path: Path) -> tok
 
     # control tokens -> special added tokens; user-defined ones -> plain added tokens
     byte_level = tokenizer_type == "gpt2"
-    spelled = set(_bytes_to_unicode().values()) if byte_level else None
+    spelled = set(bytes_to_unicode().values()) if byte_level else None
     token_types = tokenizer_dict.get("token_type") or ()
     tokens = tokenizer_dict["tokens"]
     control = [

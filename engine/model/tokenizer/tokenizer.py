@@ -79,6 +79,15 @@ class Tokenizer:
         return bool(self.chat_template)
 
     @property
+    def supports_tools(self) -> bool:
+        """The chat template (or its `tool_use` variant) renders a `tools` list."""
+        return any(
+            "tools" in chat_template.template_variables(t)
+            for t in self.chat_templates.values()
+            if t
+        )
+
+    @property
     def eos_token_id(self) -> int | None:
         """The primary EOS id (the file's declared one), or None."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
