@@ -1,4 +1,5 @@
-"""Byte counts in words, one formatter for the engine's messages, the command line and the GUI.
+"""Byte counts in words, one formatter for the engine's messages, the command line and the GUI;
+and the process's peak resident bytes, in the same units.
 
 Standard library only: engine/model/fetch.py uses it, and the installer loads that file
 straight from its path in a fresh venv.
@@ -34,3 +35,22 @@ def format_bytes(
         power += 1
     unit = _UNITS[power]
     return f"{n / base**power:.{_DECIMALS[unit]}f} {unit}"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started its program: ``VmHWM`` of
+    /proc/self/status (Linux). Not getrusage's ``ru_maxrss``, which survives ``exec``:
+    a child started from a large process reports the parent's size until it grows past
+    it. Elsewhere, ``ru_maxrss`` (bytes on macOS, KiB on Linux and BSD)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

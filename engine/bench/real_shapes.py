@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import resource
 import sys
 import time
 from argparse import Namespace
 from pathlib import Path
 
 import torch
+
+from engine.units import peak_rss_bytes
 
 PROMPT_TOKENS = 512
 FIRST_TOKEN_PROMPT = 32
@@ -84,7 +85,7 @@ def _folio_figures(
     prefill_s2, decode_s2 = run(PROMPT_TOKENS, 32)
     # the model and its 4,096-token cache, through prefill and decode (the S_TG cases
     # below build caches of their own)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = peak_rss_bytes()
     s_tg = {}
     for b in batches:
         row = batched_case(loaded, 128, tg, b, False)

@@ -40,10 +40,21 @@ class Q8KActivations:
     d: np.ndarray  # float32 [B, K // 256]
     bsum16: np.ndarray  # int32 [B, K // 16]
     bsum32: np.ndarray  # int32 [B, K // 32]
+    # int8 [B, K]: ``q`` in Q4_K's order, the second and third 32 of every 128 swapped.
+    # A Q4_K super-block's 64 code bytes hold elements 0-31 (low nibbles) and 32-63 (high)
+    # of each 64: one vector of unpacked nibbles meets elements 0-31 and 64-95, which in
+    # this order are 64 contiguous codes (one load per 64 instead of two and a shuffle).
+    q_k4: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape
+
+    def kernel_args(self, order: str, sub_block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, scales, integer sums) as a super-block kernel reads them: the codes in
+        ``order`` (``"natural"`` or ``"q4_k"``), the sums per ``sub_block`` (16 or 32)."""
+        codes = self.q_k4 if order == "q4_k" else self.q
+        return codes, self.d, self.bsum16 if sub_block == 16 else self.bsum32
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
@@ -52,9 +63,9 @@ class Q8KActivations:
 
 
 @numba.njit(**JIT)
-def _quantize_k(x, levels, q, d, bsum16, bsum32):
+def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32):
     """Rows ``b`` of ``x`` to rows ``b`` (and, with ``levels == 2``, what their rounding
-    left to rows ``B + b``) of the super-block format."""
+    left to rows ``B + b``) of the super-block format, codes in both orders."""
     batch, k = x.shape
     rest = np.empty(SUPER_BLOCK, np.float32)
     for b in range(batch):
@@ -77,6 +88,9 @@ def _quantize_k(x, levels, q, d, bsum16, bsum32):
                 bsum16[row, s] = total
             for s in range(k // 32):
                 bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
+                # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
+                at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
+                q_k4[row, 32 * at : 32 * at + 32] = q[row, 32 * s : 32 * s + 32]
 
 
 def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
@@ -95,8 +109,9 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
         np.empty((n, k // SUPER_BLOCK), np.float32),
         np.empty((n, k // 16), np.int32),
         np.empty((n, k // 32), np.int32),
+        np.empty((n, k), np.int8),
     )
-    _quantize_k(x, levels, act.q, act.d, act.bsum16, act.bsum32)
+    _quantize_k(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32)
     return act
 
 

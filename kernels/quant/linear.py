@@ -132,10 +132,8 @@ class BlockLinear:
             if group.table is not None:
                 ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
                 kind = group.parts[0].kind
-                bsum = ka.bsum16 if kind.sub_block == 16 else ka.bsum32
-                kind.decode_parts(
-                    group.table, group.row_bytes, 2, ka.q, ka.d, bsum, cols, decode_tasks()
-                )
+                q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block)
+                kind.decode_parts(group.table, group.row_bytes, 2, q, d, bsum, cols, decode_tasks())
                 continue
             (part,) = group.parts
             if part.is_float:

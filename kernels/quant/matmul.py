@@ -84,8 +84,9 @@ def decode_matmul(
         raise ValueError(f"{kind.name} reads activations per 32, not super-blocks")
     if kind.activation is ActivationFormat.Q8_256:
         ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
-        bsum = ka.bsum16 if kind.sub_block == 16 else ka.bsum32
-        kind.decode(w.data, ka.q, ka.d, bsum, out, decode_tasks())
+        kind.decode(
+            w.data, *ka.kernel_args(kind.activation_order, kind.sub_block), out, decode_tasks()
+        )
         return out
     xsum = act.sum16 if kind.sub_block == 16 else act.sum32
     kind.decode(w.data, act.q, act.scale, xsum, out, decode_tasks())
@@ -182,6 +183,7 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     """Compile (or load from numba's cache) the decode and dequantize kernels of
     ``qtypes``: a few seconds per type the first time on a 2-core machine, then a fraction
     of a second from the cache."""
+    from kernels.quant.linear import BlockLinear
     from kernels.quant.registry import quant_type
 
     for qtype in qtypes:
@@ -190,5 +192,6 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
         raw = np.zeros((1, kind.row_bytes(k)), np.uint8)
         w = QuantWeight.from_raw(raw, qtype, (1, k))
         decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
+        BlockLinear([w])(torch.zeros((1, k)))  # the fused-parts kernel, two levels
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

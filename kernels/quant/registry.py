@@ -47,6 +47,8 @@ class QuantType:
     # of several matrices of this type in one call, the two levels of int8 summed (levels
     # 2) into out [T, N] (superblock.kblock_rows)
     decode_parts: Callable | None = None
+    # the order of the int8 codes a Q8_256 kernel reads (Q8KActivations.kernel_args)
+    activation_order: str = "natural"
 
     @property
     def name(self) -> str:
@@ -68,6 +70,7 @@ def _entry(
     sub_block: int,
     signed: bool = False,
     activation: ActivationFormat = ActivationFormat.Q8_32,
+    activation_order: str = "natural",
 ) -> QuantType:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     suffix = qtype.name.lower()
@@ -81,6 +84,7 @@ def _entry(
         decode=getattr(family, f"decode_{suffix}"),
         dequant=getattr(family, f"dequant_{suffix}"),
         decode_parts=getattr(family, f"decode_parts_{suffix}", None),
+        activation_order=activation_order,
     )
 
 
@@ -94,7 +98,7 @@ QUANT_TYPES: dict[GGMLQuantizationType, QuantType] = {
         _entry(Q.Q5_1, legacy, 32),
         _entry(Q.Q2_K, kquants, 16),
         _entry(Q.Q3_K, kquants, 16),
-        _entry(Q.Q4_K, kquants, 32, activation=ActivationFormat.Q8_256),
+        _entry(Q.Q4_K, kquants, 32, activation=ActivationFormat.Q8_256, activation_order="q4_k"),
         _entry(Q.Q5_K, kquants, 32),
         _entry(Q.Q6_K, kquants, 16, activation=ActivationFormat.Q8_256),
     )

@@ -152,7 +152,8 @@ def _q4_k(builder, base):
     ``e = 64c + 32t + l`` is ``(qs[32c + l] >> 4t) & 15`` in sub-block ``2c + t``, weight
     ``d * sc[s] * q - dmin * m[s]``. Returns the float factors of the integer sums
     (codes, offsets), the integer sub-block scales and mins, and per 64 code bytes
-    (codes, element offsets of its two 32-element halves, sub-block of each 4-lane)."""
+    (codes, offsets of its two 32-element halves in the activations' Q4_K order, sub-block
+    of each 4-lane)."""
     d = _half(builder, base)
     dmin = _half(builder, builder.add(base, I64(2)))
     raw = _load(builder, builder.add(base, I64(4)), _vec(I8, 12))
@@ -163,12 +164,13 @@ def _q4_k(builder, base):
     four = ir.Constant(_vec(I8, 64), [4] * 64)
     for h in range(2):
         q = _load(builder, builder.add(base, I64(16 + 64 * h)), _vec(I8, 64))
-        # low nibbles: bytes 0-31 are sub-block 4h, bytes 32-63 sub-block 4h + 2
+        # low nibbles: bytes 0-31 are sub-block 4h, bytes 32-63 sub-block 4h + 2, which
+        # the activations in Q4_K order (Q8KActivations.q_k4) hold as 64 contiguous codes
         chunks.append(
-            (builder.and_(q, lo_mask), (128 * h, 128 * h + 64), [4 * h] * 8 + [4 * h + 2] * 8)
+            (builder.and_(q, lo_mask), (128 * h, 128 * h + 32), [4 * h] * 8 + [4 * h + 2] * 8)
         )
         chunks.append(
-            (builder.lshr(q, four), (128 * h + 32, 128 * h + 96), [4 * h + 1] * 8 + [4 * h + 3] * 8)
+            (builder.lshr(q, four), (128 * h + 64, 128 * h + 96), [4 * h + 1] * 8 + [4 * h + 3] * 8)
         )
     return d, builder.fneg(dmin), sc, mins, chunks
 

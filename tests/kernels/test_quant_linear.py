@@ -55,6 +55,11 @@ def test_two_level_super_blocks_are_x_and_its_rounding_error():
     q = one.q.astype(np.int64)
     assert np.array_equal(one.bsum16, q.reshape(3, -1, 16).sum(-1))
     assert np.array_equal(one.bsum32, q.reshape(3, -1, 32).sum(-1))
+    # Q4_K's order: the second and third 32 of every 128 swapped
+    assert np.array_equal(one.q_k4, one.q.reshape(3, -1, 4, 32)[:, :, [0, 2, 1, 3]].reshape(3, K))
+    assert np.array_equal(
+        two.q_k4[3:], two.q[3:].reshape(3, -1, 4, 32)[:, :, [0, 2, 1, 3]].reshape(3, K)
+    )
     rest = quantize_super_blocks(x - one.dequantize())
     assert np.array_equal(two.q[3:], rest.q) and np.array_equal(two.d[3:], rest.d)
     deq = two.dequantize()

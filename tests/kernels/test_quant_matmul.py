@@ -130,7 +130,7 @@ def test_result_is_independent_of_the_row_split():
     for tasks in (1, 3, 8, 200):
         out = np.empty((3, 101), np.float32)
         ka = act.super_blocks()  # Q4_K's kernel reads the super-block format
-        kind.decode(w.data, ka.q, ka.d, ka.bsum32, out, tasks)
+        kind.decode(w.data, *ka.kernel_args(kind.activation_order, kind.sub_block), out, tasks)
         outs.append(out)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
