@@ -161,7 +161,9 @@ def int4_from_gguf_parts(parts, dtype: torch.dtype = torch.bfloat16) -> Int4Weig
     return _pack(codes, scales, zeros, 32, dtype)
 
 
-def _codes_scales_zeros(raw: torch.Tensor, qtype, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _codes_scales_zeros(
+    raw: torch.Tensor, qtype, shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit codes [N, K] and per-32 fp32 scales/zeros [N, K/32] of a Q4 GGUF weight."""
     qt = _to_qtype(qtype)
     if qt not in INT4_TYPES:

@@ -43,4 +43,3 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     x2 = x.reshape(-1, w.in_features).to(w.scales.dtype).contiguous()
     y = torch.ops.aten._weight_int8pack_mm(x2, w.weight, w.scales)
     return y.reshape(*lead, w.out_features).to(x.dtype)
-

@@ -45,15 +45,27 @@ class Q8KActivations:
     # of each 64: one vector of unpacked nibbles meets elements 0-31 and 64-95, which in
     # this order are 64 contiguous codes (one load per 64 instead of two and a shuffle).
     q_k4: np.ndarray
+    # Two levels only: int32 [B, K // 16] and [B, K // 32], 256 x the first level's sums
+    # plus the second's, per token (the second level's scale is the first's / 256, so a
+    # kernel sums a token's two levels in one float step: superblock.kblock_dot, paired)
+    pair16: np.ndarray | None = None
+    pair32: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape
 
-    def kernel_args(self, order: str, sub_block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def kernel_args(
+        self, order: str, sub_block: int, paired: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(codes, scales, integer sums) as a super-block kernel reads them: the codes in
-        ``order`` (``"natural"`` or ``"q4_k"``), the sums per ``sub_block`` (16 or 32)."""
+        ``order`` (``"natural"`` or ``"q4_k"``), the sums per ``sub_block`` (16 or 32),
+        per row, or (``paired``) per token with both levels (:attr:`pair16`)."""
         codes = self.q_k4 if order == "q4_k" else self.q
+        if paired:
+            if self.pair16 is None:
+                raise ValueError("paired sums need two levels of activations")
+            return codes, self.d, self.pair16 if sub_block == 16 else self.pair32
         return codes, self.d, self.bsum16 if sub_block == 16 else self.bsum32
 
     def dequantize(self) -> np.ndarray:
@@ -63,24 +75,30 @@ class Q8KActivations:
 
 
 @numba.njit(**JIT)
-def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32):
+def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
     """Rows ``b`` of ``x`` to rows ``b`` (and, with ``levels == 2``, what their rounding
-    left to rows ``B + b``) of the super-block format, codes in both orders."""
+    left to rows ``B + b``, at 1/256 of the first level's scale) of the super-block
+    format, codes in both orders; with two levels, the paired sums too."""
     batch, k = x.shape
-    rest = np.empty(SUPER_BLOCK, np.float32)
     for b in range(batch):
         for level in range(levels):
             row = b + level * batch
             for blk in range(k // SUPER_BLOCK):
                 e0 = SUPER_BLOCK * blk
                 if level == 0:
-                    src = x[b].ctypes.data + 4 * e0
-                else:
-                    scale = d[b, blk]
-                    for i in range(SUPER_BLOCK):
-                        rest[i] = x[b, e0 + i] - np.float32(q[b, e0 + i]) * scale
-                    src = rest.ctypes.data
-                quantize256(src, q[row].ctypes.data + e0, d[row].ctypes.data + 4 * blk)
+                    quantize256(
+                        x[b].ctypes.data + 4 * e0,
+                        q[row].ctypes.data + e0,
+                        d[row].ctypes.data + 4 * blk,
+                    )
+                    continue
+                # |rest| <= scale / 2, so codes at scale / 256 reach 128 at most: 127
+                scale = d[b, blk]
+                inv = np.float32(256.0) / scale if scale > 0 else np.float32(0.0)
+                for i in range(SUPER_BLOCK):
+                    rest = x[b, e0 + i] - np.float32(q[b, e0 + i]) * scale
+                    q[row, e0 + i] = np.int8(min(max(np.rint(rest * inv), -127.0), 127.0))
+                d[row, blk] = scale / np.float32(256.0)
             for s in range(k // 16):
                 total = 0
                 for i in range(16):
@@ -91,12 +109,19 @@ def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32):
                 # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
                 at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
                 q_k4[row, 32 * at : 32 * at + 32] = q[row, 32 * s : 32 * s + 32]
+    if levels == 2:
+        for b in range(batch):
+            for s in range(k // 16):
+                pair16[b, s] = 256 * bsum16[b, s] + bsum16[batch + b, s]
+            for s in range(k // 32):
+                pair32[b, s] = 256 * bsum32[b, s] + bsum32[batch + b, s]
 
 
 def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
     """float32 ``[B, K]`` (K a multiple of 256) -> :class:`Q8KActivations` of ``levels * B``
-    rows: ``x``, then (``levels == 2``) its rounding error, as
-    :func:`kernels.quant.linear.two_level_activations` does per 32."""
+    rows: ``x``, then (``levels == 2``) its rounding error at 1/256 of the first level's
+    scale (:func:`kernels.quant.linear.two_level_activations` does it per 32 with a scale
+    of its own; a fixed ratio lets a kernel sum the two levels in integers first)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] % SUPER_BLOCK:
         raise ValueError(f"activations must be [B, K] with K a multiple of 256, got {x.shape}")
@@ -111,7 +136,13 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
         np.empty((n, k // 32), np.int32),
         np.empty((n, k), np.int8),
     )
-    _quantize_k(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32)
+    if levels == 2:
+        act.pair16 = np.empty((b, k // 16), np.int32)
+        act.pair32 = np.empty((b, k // 32), np.int32)
+        pairs = act.pair16, act.pair32
+    else:
+        pairs = np.empty((0, 0), np.int32), np.empty((0, 0), np.int32)
+    _quantize_k(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *pairs)
     return act
 
 

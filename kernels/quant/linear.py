@@ -132,7 +132,7 @@ class BlockLinear:
             if group.table is not None:
                 ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
                 kind = group.parts[0].kind
-                q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block)
+                q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
                 kind.decode_parts(group.table, group.row_bytes, 2, q, d, bsum, cols, decode_tasks())
                 continue
             (part,) = group.parts

@@ -11,11 +11,15 @@ led here (Llama-3.2-1B shape, Q4_K_M, 2 threads, AMD EPYC): the buffered kernels
 
 Activations come per 256 (:class:`~kernels.quant.activations.Q8KActivations`), so each
 super-block is summed in integers (exact): the codes' products per 4 elements, times the
-block's integer sub-block scales (folded into ``vpmaddwd`` or ``vpdpwssd`` on x86), and the integer
-offsets times the activations' integer sums; then one float32 step per block and row,
-``llvm.fma`` by ``d * xd`` and ``dmin * xd``, and a fixed summation tree at the end. Every
-instruction set reaches the same integers, so every path gives the same bits, and each
-activation row's arithmetic is the same whatever the number of rows (batch invariance).
+block's integer sub-block scales (folded into ``vpmaddwd`` or ``vpdpwssd`` on x86), and
+the integer offsets times the activations' integer sums; then one float32 step per block
+and row, ``llvm.fma`` by ``d * xd`` and ``dmin * xd``, and a fixed summation tree at the
+end. A projection's two levels of int8 (:func:`~kernels.quant.activations.
+quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
+``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
+Every instruction set reaches the same integers, so every path gives the same bits, and
+each activation row's arithmetic is the same whatever the number of rows (batch
+invariance).
 """
 
 from __future__ import annotations
@@ -180,10 +184,9 @@ def _q6_k(builder, base):
     ``e = 128h + 64t + l`` has low bits ``(ql[64h + l] >> 4t) & 15``, element
     ``e = 128h + 32t + l`` high bits ``(qh[32h + l] >> 2t) & 3``; code = low | high << 4
     (0..63), weight ``d * scales[e // 16] * (code - 32)`` (the -32 goes with the
-    activation sums: the offsets are ``-32 * scales``)."""
+    activation sums: offsets ``scales`` with the float factor ``-32 * d``)."""
     d = _half(builder, builder.add(base, I64(208)))
     sc = builder.sext(_load(builder, builder.add(base, I64(192)), _vec(I8, 16)), _vec(I32, 16))
-    mins = builder.mul(sc, ir.Constant(_vec(I32, 16), [-32] * 16))
 
     def const(n, value):
         return ir.Constant(_vec(I8, n), [value] * n)
@@ -201,7 +204,9 @@ def _q6_k(builder, base):
             chunks.append(
                 (builder.or_(low, high), (e0, e0 + 32), [e0 // 16 + j // 4 for j in range(16)])
             )
-    return d, d, sc, mins, chunks
+    # the offsets' factor -32 * d (exact: a power of two), so that their integer sums stay
+    # small enough for paired levels (sc * 257 * the sums of 16 codes fits in int32)
+    return d, builder.fmul(d, F32(-32.0)), sc, sc, chunks
 
 
 # kind code -> (GGUF type name, bytes per super-block, the body, sub-blocks per block)
@@ -211,7 +216,7 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 
 @intrinsic
 def kblock_dot(
-    typingctx, row, nblk, x, x_a, x_b, xd, xd_a, xd_b, bs, bs_a, bs_b, out, rows, isa, kind
+    typingctx, row, nblk, x, x_a, x_b, xd, xd_a, xd_b, bs, bs_a, bs_b, out, rows, isa, kind, paired
 ):
     """For ``r < rows``: ``out[r]`` (float32 at ``out``) = the dot product of the weight
     row at ``row`` (``nblk`` super-blocks of ``kind``, a :data:`KBLOCK_CODES` value) with
@@ -220,23 +225,32 @@ def kblock_dot(
     per 256 at the same offsets from ``xd`` (``xd_a``, ``xd_b``), int32 sums of the codes
     per sub-block (32 for Q4_K, 16 for Q6_K) likewise from ``bs``: consecutive rows
     (``x_a = 2 * x_b``), or pairs of a row and its second level (``x_b`` the distance
-    between the levels). ``rows`` (1, 2 or 4), ``isa`` and ``kind`` are compile-time.
+    between the levels). ``rows`` (1, 2 or 4), ``isa``, ``kind`` and ``paired`` are
+    compile-time.
 
     Per super-block and row, in integers (exact): ``isum = sum_s sc[s] * dot_s``,
     ``imin = sum_s mins[s] * bsum[s]``; then in float32
     ``acc += float(isum) * (d * xd) + float(imin) * (dm * xd)``, lane-wise with
-    ``llvm.fma`` and summed by a fixed tree at the end."""
+    ``llvm.fma`` and summed by a fixed tree at the end.
+
+    ``paired``: rows ``2j`` and ``2j + 1`` are the two levels of token ``j``, the second
+    at 1/256 of the first's scale: ``out[j]`` for ``j < rows / 2``, one float step per
+    block and token, ``float(256 * isum_0 + isum_1) * (d * xd_1)`` (the 256 applied in
+    float) and the offsets times the token's paired sums at ``bs + j * bs_a``
+    (``256 * bsum_0 + bsum_1``, exact)."""
     lit = (
         _literal(rows, (1, 2, 4)),
         _literal(isa, range(len(ISAS))),
         _literal(kind, tuple(KBLOCK_KINDS)),
+        _literal(paired, (0, 1)),
     )
-    if any(v is None for v in lit):
+    if any(v is None for v in lit) or (lit[3] and lit[0] == 1):
         return None
-    n_rows, isa_name, kind_v = lit[0], ISAS[lit[1]], lit[2]
+    n_rows, isa_name, kind_v, pair = lit[0], ISAS[lit[1]], lit[2], bool(lit[3])
     _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, rows, isa, kind)
+    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, rows, isa, kind, paired)
+    n_out = n_rows // 2 if pair else n_rows
 
     def codegen(context, builder, signature, args):
         row_a, nblk_v = args[:2]
@@ -250,11 +264,15 @@ def kblock_dot(
                 for r in range(n_rows)
             ]
 
-        xr, xdr, bsr = (rows_of(*args[j : j + 3]) for j in (2, 5, 8))
+        xr, xdr = rows_of(*args[2:5]), rows_of(*args[5:8])
+        if pair:  # the paired sums: one row per token
+            bsr = [builder.add(args[8], builder.mul(args[9], I64(j))) for j in range(n_out)]
+        else:
+            bsr = rows_of(*args[8:11])
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
 
         def zeros(t):
-            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(n_rows)]
+            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(n_out)]
 
         acc, acc_o = zeros(v16), zeros(vo)
         with cgutils.for_range(builder, nblk_v) as loop:
@@ -268,7 +286,8 @@ def kblock_dot(
                 sc16 = builder.trunc(sc, _vec(I16, sc.type.count))
                 pairs = [_pair_scales(builder, sc16, w_lanes) for _, _, w_lanes in chunks]
                 lanes = [None] * len(chunks)
-            for r in range(n_rows):
+
+            def isum_of(r):
                 xb = builder.add(xr[r], builder.mul(blk, I64(256)))
                 isum = None
                 for c, (codes, (e_lo, e_hi), _) in enumerate(chunks):
@@ -281,27 +300,38 @@ def kblock_dot(
                             _load(builder, builder.add(xb, I64(e_hi)), _vec(I8, 32)),
                         )
                     isum = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c], isum)
-                xd_v = _load(builder, builder.add(xdr[r], builder.mul(blk, I64(4))), F32, 4)
+                return builder.sitofp(isum, v16)
+
+            for j in range(n_out):
+                if pair:
+                    total = _fma(
+                        builder,
+                        isum_of(2 * j),
+                        ir.Constant(v16, [256.0] * 16),
+                        isum_of(2 * j + 1),
+                    )
+                    scale_row = 2 * j + 1  # the second level's scale: the first's / 256
+                else:
+                    total, scale_row = isum_of(j), j
+                xd_v = _load(builder, builder.add(xdr[scale_row], builder.mul(blk, I64(4))), F32, 4)
                 bsum = _load(
                     builder,
-                    builder.add(bsr[r], builder.mul(blk, I64(4 * n_sub))),
+                    builder.add(bsr[j], builder.mul(blk, I64(4 * n_sub))),
                     _vec(I32, n_sub),
                     4,
                 )
                 imin = builder.mul(mins, bsum)
                 f = _splat(builder, builder.fmul(d, xd_v), 16)
                 fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
+                builder.store(_fma(builder, total, f, builder.load(acc[j])), acc[j])
                 builder.store(
-                    _fma(builder, builder.sitofp(isum, v16), f, builder.load(acc[r])), acc[r]
+                    _fma(builder, builder.sitofp(imin, vo), fm, builder.load(acc_o[j])), acc_o[j]
                 )
-                builder.store(
-                    _fma(builder, builder.sitofp(imin, vo), fm, builder.load(acc_o[r])), acc_o[r]
-                )
-        for r in range(n_rows):
+        for j in range(n_out):
             total = builder.fadd(
-                _tree_sum(builder, builder.load(acc[r])), _tree_sum(builder, builder.load(acc_o[r]))
+                _tree_sum(builder, builder.load(acc[j])), _tree_sum(builder, builder.load(acc_o[j]))
             )
-            dst = builder.inttoptr(builder.add(out_a, I64(4 * r)), ir.PointerType(F32))
+            dst = builder.inttoptr(builder.add(out_a, I64(4 * j)), ir.PointerType(F32))
             builder.store(total, dst, align=4)
         return context.get_dummy_value()
 
@@ -319,24 +349,40 @@ def one_part(w):
 
 
 @numba.njit(**INLINE)
-def _dots(kind, row_at, nblk, x_at, xd_at, bs_at, steps, dots_at, rows):
+def _dots(kind, row_at, nblk, x_at, xd_at, bs_at, steps, dots_at, rows, paired):
     """One pass of :func:`kblock_dot` over ``rows`` (4, 2 or 1) activation rows, the
     literal row count picked at run time (numba needs it at compile time)."""
     xa, xb, da, db, sa, sb = steps[0], steps[1], steps[2], steps[3], steps[4], steps[5]
-    if rows == 4:
-        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind)
+    if paired:
+        if rows == 4:
+            kblock_dot(
+                row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind, 1
+            )
+        else:
+            kblock_dot(
+                row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind, 1
+            )
+    elif rows == 4:
+        kblock_dot(
+            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind, 0
+        )
     elif rows == 2:
-        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind)
+        kblock_dot(
+            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind, 0
+        )
     else:
-        kblock_dot(row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 1, ISA, kind)
+        kblock_dot(
+            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 1, ISA, kind, 0
+        )
 
 
 @numba.njit(**INLINE)
 def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     """``out[t, n]`` = weight row ``n`` dotted with activation row ``t`` (``levels`` 1),
-    or with rows ``t`` and ``t + T`` summed (``levels`` 2: an activation and what its
-    int8 rounding left, :func:`~kernels.quant.activations.quantize_super_blocks`), for
-    every ``t < T`` and ``n``.
+    or with the two levels of token ``t``, rows ``t`` and ``t + T`` (``levels`` 2: an
+    activation and what its int8 rounding left, at 1/256 of its scale,
+    :func:`~kernels.quant.activations.quantize_super_blocks`; ``bsum`` then the paired
+    sums, one row per token), for every ``t < T`` and ``n``.
 
     The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
     part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``):
@@ -358,7 +404,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     steps = np.empty(6, np.int64)
     # row r of a pass at (r >> 1) * steps[0] + (r & 1) * steps[1] (int8; then scales, sums)
     for j, stride in enumerate((qs, ds, ss)):
-        if levels == 2:  # pairs (row t, row t + T)
+        if levels == 2:  # pairs (row t, row t + T); the paired sums one row per token
             steps[2 * j], steps[2 * j + 1] = stride, tokens * stride
         else:  # consecutive rows
             steps[2 * j], steps[2 * j + 1] = 2 * stride, stride
@@ -384,32 +430,9 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
                 step = min(4 // levels, tokens - b)
                 if step == 3:
                     step = 2
-                if levels == 2:
-                    _dots(
-                        kind,
-                        row_at,
-                        nblk,
-                        xq_at + b * qs,
-                        xd_at + b * ds,
-                        bs_at + b * ss,
-                        steps,
-                        dots_at,
-                        2 * step,
-                    )
-                    for r in range(step):
-                        out[b + r, n] = dots[2 * r] + dots[2 * r + 1]
-                else:
-                    _dots(
-                        kind,
-                        row_at,
-                        nblk,
-                        xq_at + b * qs,
-                        xd_at + b * ds,
-                        bs_at + b * ss,
-                        steps,
-                        dots_at,
-                        step,
-                    )
-                    for r in range(step):
-                        out[b + r, n] = dots[r]
+                rows = levels * step
+                x_at, d_at, s_at = xq_at + b * qs, xd_at + b * ds, bs_at + b * ss
+                _dots(kind, row_at, nblk, x_at, d_at, s_at, steps, dots_at, rows, levels == 2)
+                for r in range(step):
+                    out[b + r, n] = dots[r]
                 b += step

@@ -43,7 +43,8 @@ def test_two_level_activations_are_x_and_its_rounding_error():
 def test_two_level_super_blocks_are_x_and_its_rounding_error():
     """The per-256 format of the k-quant kernels: one amax per 256 elements, codes within
     [-127, 127] and at 127 where |x| is largest, integer sums per 16 and 32 of the codes;
-    the second level quantizes what the first left, and the two are ~127x closer to x."""
+    the second level quantizes what the first left at 1/256 of its scale, and the two are
+    ~127x closer to x."""
     x = np.random.default_rng(2).standard_normal((3, K)).astype(np.float32) * 4
     x[1, 7] = 90.0  # an outlier channel, as LLM activations have
     two = quantize_super_blocks(x, levels=2)
@@ -60,8 +61,17 @@ def test_two_level_super_blocks_are_x_and_its_rounding_error():
     assert np.array_equal(
         two.q_k4[3:], two.q[3:].reshape(3, -1, 4, 32)[:, :, [0, 2, 1, 3]].reshape(3, K)
     )
-    rest = quantize_super_blocks(x - one.dequantize())
-    assert np.array_equal(two.q[3:], rest.q) and np.array_equal(two.d[3:], rest.d)
+    # the second level: what the first left, at exactly 1/256 of its scale
+    rest = x.reshape(3, -1, 256) - one.q.reshape(3, -1, 256) * one.d[:, :, None]
+    codes = np.clip(np.rint(rest * (np.float32(256) / one.d[:, :, None])), -127, 127)
+    assert np.array_equal(two.d[3:], one.d / np.float32(256))
+    assert np.abs(two.q[3:].astype(int) - codes.reshape(3, K)).max() <= 1  # float rounding
+    assert np.mean(two.q[3:] == codes.reshape(3, K)) > 0.999
+    # the paired sums the kernels read per token: 256 x the first level's plus the second's
+    for size, mine, pair in ((16, two.bsum16, two.pair16), (32, two.bsum32, two.pair32)):
+        assert np.array_equal(pair, 256 * mine[:3] + mine[3:])
+        assert np.array_equal(mine[3:], two.q[3:].astype(np.int64).reshape(3, -1, size).sum(-1))
+    assert one.pair16 is None
     deq = two.dequantize()
     err_one = np.abs(one.dequantize() - x).max()
     err_two = np.abs(deq[:3] + deq[3:] - x).max()
@@ -71,15 +81,21 @@ def test_two_level_super_blocks_are_x_and_its_rounding_error():
 
 
 def test_k_quant_only_projections_skip_the_per_32_format():
-    """A fused Q4_K / Q6_K projection quantizes its input per 256 only, and gets the same
-    bits as through the per-32 activations' own super-blocks; a per-32 type refuses the
+    """A fused Q4_K / Q6_K projection quantizes its input per 256 only, the same
+    activations as the per-32 ones' own super-blocks; a per-32 type refuses the
     super-block format."""
     parts = [_weight(Q.Q4_K, 64, 1)[0], _weight(Q.Q6_K, 32, 2)[0]]
     lin = BlockLinear(parts)
     x = torch.randn(3, K)
-    via_per32 = two_level_activations(x.numpy())
-    want = np.concatenate([decode_matmul(via_per32, p) for p in parts], axis=1)
-    assert torch.equal(lin(x), torch.from_numpy(want[:3] + want[3:]))
+    via_per32 = two_level_activations(x.numpy()).super_blocks()
+    direct = quantize_super_blocks(x.numpy(), levels=2)
+    for name in ("q", "q_k4", "d", "bsum16", "bsum32", "pair16", "pair32"):
+        assert np.array_equal(getattr(via_per32, name), getattr(direct, name)), name
+    # the two levels summed per token in the kernel (paired) or as two products: the same
+    # integers, rounded in float in another order
+    want = np.concatenate([decode_matmul(direct, p) for p in parts], axis=1)
+    got = lin(x).numpy()
+    assert np.allclose(got, want[:3] + want[3:], rtol=1e-5, atol=1e-5 * np.abs(got).max())
     with pytest.raises(ValueError, match="per 32"):
         decode_matmul(quantize_super_blocks(x.numpy()), _weight(Q.Q8_0, 32, 3)[0])
 
@@ -87,7 +103,8 @@ def test_k_quant_only_projections_skip_the_per_32_format():
 def test_consecutive_super_block_parts_are_one_call():
     """Runs of parts of one super-block type (q/k as Q4_K, v as Q6_K in a Q4_K_M layer)
     are multiplied in one kernel call over their row tables, each run writing its own
-    columns with the two levels summed in the kernel: the same bits as each part alone."""
+    columns with the two levels summed in the kernel: the same bits as each part alone,
+    and (other types) as the sum of the two levels' products."""
     qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_K, Q.Q4_K)
     parts = [_weight(qt, 32 + 16 * i, seed=10 + i)[0] for i, qt in enumerate(qtypes)]
     lin = BlockLinear(parts)
@@ -101,9 +118,11 @@ def test_consecutive_super_block_parts_are_one_call():
     assert [g.table is not None for g in lin._groups] == [True, True, False, True]
     for b in (1, 2, 3, 5):
         x = torch.randn(b, K)
+        alone = torch.cat([BlockLinear([p])(x) for p in parts], dim=1)
+        assert torch.equal(lin(x), alone)
         act = two_level_activations(x.numpy())
-        want = np.concatenate([decode_matmul(act, p) for p in parts], axis=1)
-        assert torch.equal(lin(x), torch.from_numpy(want[:b] + want[b:]))
+        y = decode_matmul(act, parts[3])
+        assert torch.equal(alone[:, 144:224], torch.from_numpy(y[:b] + y[b:]))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])

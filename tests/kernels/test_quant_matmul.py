@@ -240,6 +240,10 @@ for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544)):  # unsigned and si
     w = QuantWeight.from_raw(random_blocks(qt, 23, k, np.random.default_rng(k)), qt, (23, k))
     x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
     out[name] = decode_matmul(quantize_activations(x), w).tolist()
+    if name != "Q8_0":  # the fused projection: both levels of a token paired in the kernel
+        import torch
+        from kernels.quant.linear import BlockLinear
+        out["paired " + name] = BlockLinear([w])(torch.from_numpy(x)).tolist()
 """
 
 
@@ -367,10 +371,12 @@ _SUPERBLOCK_CPUS = [
 ]
 
 
+@pytest.mark.parametrize("paired", [0, 1])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _SUPERBLOCK_CPUS)
-def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind):
-    """The in-register super-block kernels (superblock.py) on each ISA path."""
+def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, paired):
+    """The in-register super-block kernels (superblock.py) on each ISA path, one row
+    per output or the two levels of a token paired."""
     import re
 
     from numba import types
@@ -378,7 +384,7 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind):
     from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])]
+    argtypes = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(paired)]
     asm = _asm_for(kblock_dot, argtypes, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
