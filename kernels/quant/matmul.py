@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from kernels.quant.activations import Q8Activations, Q8KActivations, quantize_activations
+from kernels.quant.activations import (
+    Q8Activations,
+    Q8KActivations,
+    quantize_activations,
+    quantize_super_blocks,
+)
 from kernels.quant.registry import ActivationFormat
 from kernels.quant.weight import QuantWeight
 
@@ -183,7 +188,6 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     """Compile (or load from numba's cache) the decode and dequantize kernels of
     ``qtypes``: a few seconds per type the first time on a 2-core machine, then a fraction
     of a second from the cache."""
-    from kernels.quant.linear import BlockLinear
     from kernels.quant.registry import quant_type
 
     for qtype in qtypes:
@@ -192,6 +196,13 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
         raw = np.zeros((1, kind.row_bytes(k)), np.uint8)
         w = QuantWeight.from_raw(raw, qtype, (1, k))
         decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
-        BlockLinear([w])(torch.zeros((1, k)))  # the fused-parts kernel, two levels
+        if kind.decode_parts is not None:  # the fused-parts kernel, two levels paired
+            act = quantize_super_blocks(np.zeros((2, k), np.float32), levels=2)
+            table = np.array([[w.data.ctypes.data, 1]], np.int64)
+            args = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+            # into a whole output, and into some columns of one (a projection of mixed
+            # types: numba compiles each memory layout apart)
+            for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):
+                kind.decode_parts(table, w.data.shape[1], 2, *args, out, decode_tasks())
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)
