@@ -643,8 +643,9 @@ def quantize32(typingctx, x, q, out):
 
 @intrinsic
 def prefetch(typingctx, addr, nbytes):
-    """Ask for the ``nbytes`` at ``addr`` to be brought into cache (``prefetcht0`` per
-    64-byte line): the next weight row, while this one is unpacked and dotted."""
+    """Ask for the ``nbytes`` at ``addr`` to be brought into L2 (``prefetcht1`` per
+    64-byte line): the next weight row, while this one is unpacked and dotted. Not into
+    L1: an 8,192-wide row, the next one and two levels of activations overflow it."""
     sig = types.void(types.uintp, types.intp)
 
     def codegen(context, builder, signature, args):

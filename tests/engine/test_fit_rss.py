@@ -4,14 +4,9 @@ loading then takes: the peak RSS of a fresh process that loads the model in the 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.child_process import run_json
 
 _CHILD = """
 import json, sys
@@ -43,15 +38,7 @@ def test_fit_estimate_is_within_10_percent_of_the_peak_rss(model, request):
     path = request.getfixturevalue(model)
 
     def child() -> dict:
-        done = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        )
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return run_json(_CHILD, str(path), timeout=600)
 
     # The first run may compile kernels this model's types need (LLVM's memory, once per
     # machine, which the installer's compile step does for the common types): the user's

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.units import peak_rss_bytes
 from tests.engine.gguf_mutator import mutations, parse_layout, write_base_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -258,7 +259,7 @@ def _start_peak() -> int:
 
 
 def _peak_since(rss_before: int) -> int:
-    return _status()["VmHWM"] - rss_before
+    return peak_rss_bytes() - rss_before
 
 
 def _mapped_bytes(path: Path) -> int:

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,13 +44,13 @@ from kernels.quant import (
 from kernels.quant.bench import random_blocks
 from kernels.quant.reference import reference_dequantize, reference_matmul
 from kernels.quant.simd import ISA_CODES
+from tests.child_process import run_json
 
 Q = GGMLQuantizationType
 TYPES = list(QUANT_TYPES)
 GGUF_QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
 FP32_REL = 1e-5
 BF16_REL = 1e-2
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _k_values(qtype) -> list[int]:
@@ -256,17 +253,7 @@ def _run_isa(isa: str | None) -> dict:
         scope: dict = {}
         exec(_ISA_SCRIPT, scope)
         return json.loads(json.dumps(scope["out"]))
-    script = _ISA_SCRIPT + "print(json.dumps(out))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(_ISA_SCRIPT + "print(json.dumps(out))\n", env=env)
 
 
 def test_every_isa_path_gives_the_same_bits():
