@@ -24,7 +24,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,10 @@ class ModelInfo:
     architecture: str
     weight_bytes: int
     load_seconds: float
+    weight_mode: str = "native"
+    # Weights resident in each mode the app offers, estimated from the file's tensor
+    # directory (engine.model.weight_modes); empty for a model not read from a GGUF file.
+    weight_costs: dict[str, int] = field(default_factory=dict)
 
 
 def describe_model(loaded: LoadedModel) -> ModelInfo:
@@ -76,7 +80,27 @@ def describe_model(loaded: LoadedModel) -> ModelInfo:
         architecture=str(getattr(loaded.config, "arch", "")),
         weight_bytes=_safe_weight_bytes(loaded),
         load_seconds=loaded.load_seconds,
+        weight_mode=loaded.weight_mode,
+        weight_costs=weight_costs(loaded),
     )
+
+
+def weight_costs(loaded: LoadedModel) -> dict[str, int]:
+    """Resident weight bytes of `loaded`'s file in each mode the app offers."""
+    if loaded.format != "gguf":
+        return {}
+    from engine.model.gguf_file import GGUFError, GGUFFile
+    from engine.model.weight_modes import USER_WEIGHT_MODES, resident_weight_bytes
+
+    try:
+        gf = GGUFFile(loaded.path)
+    except (GGUFError, OSError):  # moved or deleted since it was loaded
+        return {}
+    try:
+        tensors = [(t.name, t.shape, t.nbytes) for t in gf.tensors.values()]
+    finally:
+        gf.close()
+    return {mode: resident_weight_bytes(tensors, mode) for mode in USER_WEIGHT_MODES}
 
 
 def _device_name(loaded: LoadedModel) -> str:
@@ -241,13 +265,22 @@ class EngineBridge(QObject):
         path: str | Path,
         cache_settings: CacheSettings | None = None,
         generator_settings: GeneratorSettings | None = None,
+        weight_mode: str | None = None,
     ) -> None:
         """Load `path` and start an engine on it, off the UI thread. Ends in
-        `engine_ready` or `engine_failed`; `load_progress` reports along the way."""
+        `engine_ready` or `engine_failed`; `load_progress` reports along the way.
+        `weight_mode` (engine.model.weight_modes) applies to GGUF files."""
         from engine.model.loader import load_model
+        from engine.model.weight_modes import DEFAULT_WEIGHT_MODE
+
+        mode = weight_mode or DEFAULT_WEIGHT_MODE
 
         def work() -> LoadedModel:
-            return load_model(path, progress=lambda f, what: self.load_progress.emit(f, what))
+            return load_model(
+                path,
+                weight_mode=mode,
+                progress=lambda f, what: self.load_progress.emit(f, what),
+            )
 
         self._run_worker(
             work, lambda loaded: self._start_engine(loaded, cache_settings, generator_settings)

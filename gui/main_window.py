@@ -367,6 +367,7 @@ class MainWindow(QMainWindow):
             path,
             self.engine_settings.cache_settings(),
             self.engine_settings.generator_settings(),
+            self.engine_settings.weights,
         )
 
     def use_loaded(self, loaded: Any) -> None:
@@ -463,7 +464,7 @@ class MainWindow(QMainWindow):
     # -- settings dialog --------------------------------------------------------------
 
     def open_settings(self) -> None:
-        dialog = SettingsDialog(self.engine_settings, self)
+        dialog = SettingsDialog(self.engine_settings, self, self.model_info)
         if dialog.exec():
             self.apply_settings(dialog.values(), confirm=True)
 
@@ -471,11 +472,13 @@ class MainWindow(QMainWindow):
         """Save `new`; rebuild the engine when the cache or batching changed (after
         asking, when `confirm`). Returns whether the settings were applied."""
         rebuild = new.needs_rebuild(self.engine_settings)
-        if rebuild and confirm and self.bridge.ready:
+        reload = new.needs_reload(self.engine_settings) and self.bridge.loaded is not None
+        if (rebuild or reload) and confirm and self.bridge.ready:
+            what = "the model loaded again" if reload else "a new KV cache"
             answer = QMessageBox.question(
                 self,
-                "Rebuild the KV cache?",
-                "The new settings need a new KV cache: replies in progress stop and cached "
+                "Load the model again?" if reload else "Rebuild the KV cache?",
+                f"The new settings need {what}: replies in progress stop and cached "
                 "prefixes are dropped. Apply now?",
             )
             if answer != QMessageBox.StandardButton.Yes:
@@ -483,7 +486,9 @@ class MainWindow(QMainWindow):
         self.engine_settings = new
         self.settings.setValue("engine/settings", json.dumps(new.as_dict()))
         self._apply_threads()
-        if rebuild and self.bridge.loaded is not None:
+        if reload:
+            self.load_model(self.bridge.loaded.path)
+        elif rebuild and self.bridge.loaded is not None:
             self.bridge.rebuild(new.cache_settings(), new.generator_settings())
         return True
 

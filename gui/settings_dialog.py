@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtWidgets import (
     QComboBox,
@@ -26,10 +26,42 @@ from PySide6.QtWidgets import (
 
 from engine.cache.kv_cache import CacheSettings
 from engine.generator.generator import GeneratorSettings
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, USER_WEIGHT_MODES
+from engine.units import format_bytes
+
+if TYPE_CHECKING:
+    from gui.bridge import ModelInfo
 
 KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 MB = 1 << 20
+
+# The choices of "Weights in memory", in plain words, and what each was measured to
+# cost and buy (`folio bench forward --shape llama-3.2-1b --quant q4_k_m --weights M`,
+# both modes in one run; README "Measured").
+WEIGHT_CHOICES = {
+    "native": "As the file stores them (least memory)",
+    "bf16": "bf16 copy: faster prompts, slower replies",
+    "dequant": "fp32 copy: exact arithmetic, most memory",
+}
+WEIGHT_TRADES = {
+    "native": "Reads the model file in place: the least memory, and the fastest replies.",
+    "bf16": (
+        "A bf16 copy of every weight: prompts are read about 2.8x faster, replies are "
+        "written about 2.3x slower, the weights take about 3.7x the memory and loading "
+        "takes seconds longer (measured on a 1B Q4_K_M model, 2-core Xeon). For long "
+        "prompts with short answers."
+    ),
+    "dequant": (
+        "Exact fp32 arithmetic, as the reference implementations compute: for checking "
+        "results, not for chatting (the most memory and the slowest replies)."
+    ),
+}
+
+REBUILD_NOTE = (
+    "Applying these changes rebuilds the KV cache: replies in progress stop and "
+    "cached prefixes are dropped."
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +77,7 @@ class EngineSettings:
     max_batch_size: int = 16
     max_chunk_size: int = 256
     cpu_threads: int = 0  # 0: torch's default
+    weights: str = DEFAULT_WEIGHT_MODE  # how a GGUF file's weights are kept (reloads)
 
     REBUILD_FIELDS = (
         "page_size",
@@ -80,6 +113,10 @@ class EngineSettings:
     def needs_rebuild(self, other: EngineSettings) -> bool:
         return any(getattr(self, f) != getattr(other, f) for f in self.REBUILD_FIELDS)
 
+    def needs_reload(self, other: EngineSettings) -> bool:
+        """The weights are kept another way: the model is read again."""
+        return self.weights != other.weights
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -94,16 +131,41 @@ class EngineSettings:
             settings = cls(**{k: v for k, v in data.items() if k in known})
             settings.cache_settings()
             settings.generator_settings().validate(settings.page_size)
+            if settings.weights not in USER_WEIGHT_MODES:
+                raise ValueError(f"unknown weight mode {settings.weights!r}")
             return settings
         except (TypeError, ValueError):
             return cls()
 
 
+def weights_note(mode: str, model: ModelInfo | None) -> str:
+    """What keeping the weights in `mode` costs for `model` and what it buys."""
+    costs = model.weight_costs if model is not None else {}
+    if model is not None and not costs:
+        return "This model is not a GGUF file: its weights are kept as fp32."
+    text = WEIGHT_TRADES[mode]
+    if costs:
+        here = format_bytes(costs[mode], binary=True)
+        base = costs[DEFAULT_WEIGHT_MODE]
+        if mode == DEFAULT_WEIGHT_MODE:
+            text = f"{model.name}: {here} of weights. {text}"
+        else:
+            extra = format_bytes(costs[mode] - base, binary=True)
+            text = f"{model.name}: {here} of weights ({extra} more than as stored). {text}"
+    return text
+
+
 class SettingsDialog(QDialog):
-    def __init__(self, current: EngineSettings, parent: QWidget | None = None):
+    def __init__(
+        self,
+        current: EngineSettings,
+        parent: QWidget | None = None,
+        model: ModelInfo | None = None,
+    ):
         super().__init__(parent)
         self.setWindowTitle("Engine settings")
         self.current = current
+        self.model = model
         layout = QVBoxLayout(self)
         form = QFormLayout()
 
@@ -141,12 +203,21 @@ class SettingsDialog(QDialog):
         self.threads.setRange(0, os.cpu_count() or 64)
         self.threads.setSpecialValueText("automatic")
         form.addRow("CPU threads", self.threads)
-        layout.addLayout(form)
-
-        self.rebuild_note = QLabel(
-            "Applying these changes rebuilds the KV cache: replies in progress stop and "
-            "cached prefixes are dropped."
+        self.weights = QComboBox()
+        for mode in USER_WEIGHT_MODES:
+            self.weights.addItem(WEIGHT_CHOICES[mode], mode)
+        self.weights.setToolTip(
+            "How the model's weights are kept in memory; changing it loads the model again"
         )
+        self.weights.setEnabled(model is None or bool(model.weight_costs))
+        form.addRow("Weights in memory", self.weights)
+        self.weights_note = QLabel()
+        self.weights_note.setWordWrap(True)
+        layout.addLayout(form)
+        # Outside the form: a form row clips a word-wrapped label's later lines.
+        layout.addWidget(self.weights_note)
+
+        self.rebuild_note = QLabel(REBUILD_NOTE)
         self.rebuild_note.setWordWrap(True)
         self.rebuild_note.setStyleSheet("color: #a15c00;")
         layout.addWidget(self.rebuild_note)
@@ -158,7 +229,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.buttons)
 
         self.set_values(current)
-        for combo in (self.budget_unit, self.page_size, self.k_bits, self.v_bits):
+        for combo in (self.budget_unit, self.page_size, self.k_bits, self.v_bits, self.weights):
             combo.currentIndexChanged.connect(self._update_note)
         for spin in (self.budget, self.host_mb, self.max_batch, self.chunk, self.threads):
             spin.valueChanged.connect(self._update_note)
@@ -174,6 +245,7 @@ class SettingsDialog(QDialog):
         self.max_batch.setValue(s.max_batch_size)
         self.chunk.setValue(s.max_chunk_size)
         self.threads.setValue(s.cpu_threads)
+        self.weights.setCurrentIndex(max(0, self.weights.findData(s.weights)))
 
     def values(self) -> EngineSettings:
         return EngineSettings(
@@ -186,13 +258,29 @@ class SettingsDialog(QDialog):
             max_batch_size=self.max_batch.value(),
             max_chunk_size=self.chunk.value(),
             cpu_threads=self.threads.value(),
+            weights=self.weights.currentData(),
         )
 
     def needs_rebuild(self) -> bool:
         return self.values().needs_rebuild(self.current)
 
+    def needs_reload(self) -> bool:
+        return self.values().needs_reload(self.current)
+
     def _update_note(self) -> None:
-        self.rebuild_note.setVisible(self.needs_rebuild())
+        self.weights_note.setText(weights_note(self.weights.currentData(), self.model))
+        if self.needs_reload():
+            self.rebuild_note.setText(
+                "Applying these changes loads the model again: replies in progress stop "
+                "and cached prefixes are dropped."
+            )
+        else:
+            self.rebuild_note.setText(REBUILD_NOTE)
+        self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
+        # Word-wrapped labels change height with their text: let the dialog grow
+        # to show the whole note rather than clip it.
+        self.layout().activate()
+        self.adjustSize()
 
 
 def _bits_combo() -> QComboBox:

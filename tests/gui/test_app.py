@@ -360,6 +360,31 @@ def test_crash_mid_reply_keeps_the_partial_reply(qtbot, tmp_path, smollm2_path, 
     win.close()
 
 
+def test_weights_setting_loads_the_model_again(qtbot, tmp_path, smollm2_int4):
+    """ "Weights in memory" reloads the same file in the chosen mode: the resident bytes
+    the dialog showed beforehand are what the engine then holds, and chats go on."""
+    from engine.model.weight_modes import USER_WEIGHT_MODES
+
+    win = make_window(qtbot, tmp_path, smollm2_int4)
+    costs = win.model_info.weight_costs
+    assert set(costs) == set(USER_WEIGHT_MODES) and costs["native"] < costs["bf16"]
+    changed = EngineSettings(**{**SMALL.as_dict(), "weights": "bf16"})
+    assert changed.needs_reload(SMALL) and not changed.needs_rebuild(SMALL)
+    assert win.apply_settings(changed, confirm=False)
+    qtbot.waitUntil(
+        lambda: win.bridge.ready and win.model_info.weight_mode == "bf16", timeout=60_000
+    )
+    assert abs(win.model_info.weight_bytes - costs["bf16"]) <= 0.05 * costs["bf16"]
+    assert "bf16 weights" in win.model_label.text()
+    assert win.bridge.cache_settings.page_size == SMALL.page_size  # the cache as it was
+    view = win.chat_view
+    qtbot.keyClicks(view.input, "Name a colour.")
+    qtbot.keyClick(view.input, Qt.Key.Key_Return)
+    wait_idle(qtbot, win)
+    assert bubbles(win)[1].text.strip()
+    win.close()
+
+
 def test_layout_and_settings_persist(qtbot, tmp_path, smollm2_int4):
     win = make_window(qtbot, tmp_path, smollm2_int4)
     win.memory_dock.hide()

@@ -12,8 +12,8 @@ from engine.cache.kv_cache import CacheSettings
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import EventKind, JobRequest
 from engine.generator.sampler import SamplingSettings
-from gui.bridge import EngineBridge
-from gui.settings_dialog import EngineSettings, SettingsDialog
+from gui.bridge import EngineBridge, ModelInfo
+from gui.settings_dialog import EngineSettings, SettingsDialog, weights_note
 
 
 @pytest.fixture
@@ -102,3 +102,32 @@ def test_engine_settings_round_trip_and_rebuild_rules(qtbot):
     assert not dialog.needs_rebuild()
     dialog.page_size.setCurrentIndex(dialog.page_size.findData(128))
     assert dialog.needs_rebuild() and not dialog.rebuild_note.isHidden()
+
+
+def test_weights_setting_says_what_each_mode_costs(qtbot, tmp_path):
+    s = EngineSettings()
+    bf16 = EngineSettings(weights="bf16")
+    assert EngineSettings.from_dict(bf16.as_dict()) == bf16
+    assert EngineSettings.from_dict({"weights": "fp64"}) == EngineSettings()
+    assert bf16.needs_reload(s) and not bf16.needs_rebuild(s) and not s.needs_reload(s)
+    info = ModelInfo(
+        name="m", path=tmp_path / "m.gguf", format="GGUF Q4_K", device="CPU",
+        architecture="llama", weight_bytes=800 << 20, load_seconds=0.5,
+        weight_costs={"native": 800 << 20, "bf16": 3000 << 20, "dequant": 6000 << 20},
+    )  # fmt: skip
+    dialog = SettingsDialog(s, model=info)
+    qtbot.addWidget(dialog)
+    assert "800.0 MB of weights" in dialog.weights_note.text() and dialog.rebuild_note.isHidden()
+    dialog.weights.setCurrentIndex(dialog.weights.findData("bf16"))
+    assert dialog.values() == bf16 and dialog.needs_reload()
+    note = dialog.weights_note.text()
+    assert "2.93 GB of weights" in note and "2.15 GB more" in note
+    assert (
+        not dialog.rebuild_note.isHidden() and "loads the model again" in dialog.rebuild_note.text()
+    )
+    # a model that is not a GGUF file has one way to keep its weights
+    folder = ModelInfo(**{**info.__dict__, "weight_costs": {}})
+    assert "not a GGUF" in weights_note("native", folder)
+    other = SettingsDialog(s, model=folder)
+    qtbot.addWidget(other)
+    assert not other.weights.isEnabled()
