@@ -62,6 +62,10 @@ REBUILD_NOTE = (
     "Applying these changes rebuilds the KV cache: replies in progress stop and "
     "cached prefixes are dropped."
 )
+RELOAD_NOTE = (
+    "Applying these changes loads the model again: replies in progress stop and "
+    "cached prefixes are dropped."
+)
 
 
 @dataclass(frozen=True)
@@ -270,17 +274,10 @@ class SettingsDialog(QDialog):
     def _update_note(self) -> None:
         self.weights_note.setText(weights_note(self.weights.currentData(), self.model))
         if self.needs_reload():
-            self.rebuild_note.setText(
-                "Applying these changes loads the model again: replies in progress stop "
-                "and cached prefixes are dropped."
-            )
+            self.rebuild_note.setText(RELOAD_NOTE)
         else:
             self.rebuild_note.setText(REBUILD_NOTE)
         self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
-        # Word-wrapped labels change height with their text: let the dialog grow
-        # to show the whole note rather than clip it.
-        self.layout().activate()
-        self.adjustSize()
 
 
 def _bits_combo() -> QComboBox:

@@ -8,6 +8,8 @@ before torch).
   transformers-equality tests load.
 """
 
+import math
+
 WEIGHT_MODES = ("native", "int4", "bf16", "dequant")
 DEFAULT_WEIGHT_MODE = "native"
 
@@ -26,15 +28,13 @@ def resident_weight_bytes(tensors, mode: str) -> int:
     costs nothing more. ``int4`` depends on which blocks torch's kernel takes and is not
     estimated here.
     """
-    if mode not in ("native", "bf16", "dequant"):
+    if mode not in USER_WEIGHT_MODES:
         raise ValueError(f"resident bytes are estimated for native, bf16 and dequant, not {mode!r}")
     total = 0
     for name, shape, file_bytes in tensors:
         if name == "rope_freqs.weight":
             continue  # rotary factors, not a weight the model counts
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        numel = math.prod(shape)
         if len(shape) < 2:
             total += 4 * numel
         elif mode == "native":
