@@ -148,6 +148,10 @@ class PagedKVStorage:
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.k + self.v for _, t in sorted(layer.items())]
 
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor in the order `read_page` and `write_page` lay a page out."""
+        return self._all_tensors()
+
     def _check(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} outside 0..{self.num_pages - 1}")
@@ -212,3 +216,19 @@ class PagedKVStorage:
             t[page, :n].contiguous().cpu().view(torch.uint8).numpy().tobytes()
             for t in self._all_tensors()
         )
+
+    def write_page(self, page: int, data: bytes) -> None:
+        """Fill a whole page from bytes laid out as `read_page` returns them (the disk
+        tier's records). ValueError when the length is not one page's."""
+        self._check(page)
+        tensors = self._all_tensors()
+        sizes = [t[page].numel() * t.element_size() for t in tensors]
+        if len(data) != sum(sizes):
+            raise ValueError(f"{len(data)} bytes for a page of {sum(sizes)} bytes")
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        start = 0
+        for t, size in zip(tensors, sizes):
+            chunk = buffer[start : start + size].view(t.dtype).view(t[page].shape)
+            t[page].copy_(chunk)
+            start += size
+        self.page_copies += 1

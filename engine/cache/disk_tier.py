@@ -1,0 +1,764 @@
+"""Disk tier: a third tier of full pages in files, so the prompt cache survives a restart.
+
+A store is one folder per model and cache format (`store_dir`: the fingerprint's root
+digest names it, the same digest every chained hash starts from):
+
+- ``seg-NNNNNNNN.kv``: a handful of large append-only segment files. Each starts with a
+  header (format version, fingerprint digest, page-format digest, CRC) and holds page
+  records: a record header (its chained hash, its parent's, the payload length, the
+  payload's CRC-32 and the header's own CRC-32) then the page's bytes in the pool's format.
+- ``index.bin``: where each record is, with its recency; replaced atomically. When missing,
+  torn, from another format or behind its segments, it is rebuilt (or completed) by
+  scanning the segment files.
+- ``lock``: ``fcntl.flock``-ed by the one process that writes; others only read.
+
+Nothing read from disk is trusted: a record is used only when its header and payload
+CRCs, its hash and its length all check out, else it is dropped and the page recomputed.
+Writes run on a background thread fed by a bounded queue, so the engine step never waits
+for the disk (a page the queue has no room for is simply not written). Over its byte
+budget the writer drops whole chain tails first (`eviction_order`), a segment's worth at a
+time, then compacts: segments holding dropped records have their live records copied
+forward and are deleted, so the store never exceeds the budget. Any OS error (full disk,
+read-only or unwritable folder) turns the tier off with a one-line `status`; the engine
+then simply runs without it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.cache.eviction import eviction_order
+from engine.cache.page import DIGEST_SIZE, CacheFingerprint
+from engine.cache.storage import PagedKVStorage
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DEFAULT_BUDGET_CAP = 4 << 30  # default budget: this, or 10% of the free disk if less
+MAX_SEGMENT_BYTES = 256 << 20
+SEGMENT_FRACTION = 16  # segments are about 1/16 of the budget (a handful of files)
+INDEX_INTERVAL_S = 2.0  # the writer rewrites the index at most this often (and at close)
+
+_SEG_MAGIC = b"FOLIOSEG"
+_REC_MAGIC = b"FKVP"
+_IDX_MAGIC = b"FOLIOIDX"
+# magic, version, fingerprint root digest, page-format digest, crc32 of the rest
+_SEG_HEADER = struct.Struct("<8sI16s16sI")
+# magic, hash, parent hash, has parent, payload length, payload crc32, header crc32
+_REC_HEADER = struct.Struct("<4s16s16sBQII")
+_IDX_HEADER = struct.Struct("<8sI16s16sII")  # magic, version, root, format, segments, entries
+_IDX_SEGMENT = struct.Struct("<IQ")  # segment id, bytes scanned
+_IDX_ENTRY = struct.Struct("<16s16sBIQQQ")  # hash, parent, has parent, seg, offset, len, serial
+_CRC = struct.Struct("<I")
+_NO_PARENT = bytes(DIGEST_SIZE)
+_SCAN_CHUNK = 1 << 20
+
+
+def store_dir(location: Path | str, fingerprint: CacheFingerprint) -> Path:
+    """The store of one model and cache format under ``location``."""
+    return Path(location) / fingerprint.root_digest().hex()
+
+
+def default_budget(location: Path | str) -> int:
+    """A few GB, or 10% of the free space where the store goes if that is less."""
+    probe = Path(location)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return DEFAULT_BUDGET_CAP
+    return min(DEFAULT_BUDGET_CAP, free // 10)
+
+
+def page_format_digest(layout: PagedKVStorage) -> bytes:
+    """Digest of the page format: every tensor's per-page shape and dtype, in the order
+    ``PagedKVStorage.read_page`` lays them out."""
+    text = "|".join(f"{tuple(t.shape[1:])}:{t.dtype}" for t in layout.page_tensors())
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    """One record on disk. ``index`` is a unique id for the eviction order; ``fill`` and
+    ``ref_count`` are there for it too (records are full and never referenced)."""
+
+    index: int
+    hash: bytes
+    parent_hash: bytes | None
+    segment: int
+    offset: int  # of the record header
+    length: int  # payload bytes
+    access_serial: int
+    fill: int = 1
+    ref_count: int = 0
+
+    @property
+    def record_bytes(self) -> int:
+        return _REC_HEADER.size + self.length
+
+
+@dataclass
+class _Segment:
+    id: int
+    size: int  # bytes in the file that the store accounts for (header included)
+    live: int = 0  # bytes of records in the index
+
+    @property
+    def name(self) -> str:
+        return segment_name(self.id)
+
+
+def segment_name(segment_id: int) -> str:
+    return f"seg-{segment_id:08d}.kv"
+
+
+@dataclass(frozen=True)
+class DiskTierStats:
+    pages: int = 0
+    bytes: int = 0  # on disk, segment files
+    budget: int = 0
+    writes: int = 0  # records appended by this process
+    hits: int = 0  # pages read back
+    hit_bytes: int = 0
+    dropped: int = 0  # records found corrupt, torn or foreign and dropped
+    evictions: int = 0
+    skipped_writes: int = 0  # pages not queued: the queue was full
+    writable: bool = False
+    status: str = ""  # "" while on; otherwise why it is off or read-only
+
+
+def encode_record(h: bytes, parent: bytes | None, payload: bytes) -> bytes:
+    head = _REC_HEADER.pack(
+        _REC_MAGIC,
+        h,
+        parent or _NO_PARENT,
+        parent is not None,
+        len(payload),
+        zlib.crc32(payload),
+        0,
+    )[: -_CRC.size]
+    return head + _CRC.pack(zlib.crc32(head)) + payload
+
+
+def _decode_header(raw: bytes) -> tuple[bytes, bytes | None, int, int] | None:
+    """(hash, parent, payload length, payload crc) of a record header, None if it is bad."""
+    if len(raw) < _REC_HEADER.size:
+        return None
+    magic, h, parent, has_parent, length, payload_crc, crc = _REC_HEADER.unpack_from(raw)
+    if magic != _REC_MAGIC or zlib.crc32(raw[: _REC_HEADER.size - _CRC.size]) != crc:
+        return None
+    return h, (parent if has_parent else None), length, payload_crc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd`` (the one place records and the index are written:
+    the crash tests cut writes here)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class DiskTier:
+    def __init__(
+        self,
+        directory: Path | str,
+        fingerprint: CacheFingerprint,
+        layout: PagedKVStorage,
+        byte_budget: int | None = None,
+        segment_bytes: int | None = None,
+        max_pending_bytes: int = 256 << 20,
+    ):
+        """The store in ``directory`` for pages of ``layout``'s format under
+        ``fingerprint``. Never raises for the disk's sake: a store it cannot use leaves
+        the tier off, with the reason in ``status``."""
+        self.directory = Path(directory)
+        self.page_bytes = layout.bytes_per_page
+        self._root = fingerprint.root_digest()
+        self._format = page_format_digest(layout)
+        self.budget = default_budget(self.directory) if byte_budget is None else byte_budget
+        record = _REC_HEADER.size + self.page_bytes
+        self.segment_bytes = segment_bytes or max(
+            record + _SEG_HEADER.size, min(MAX_SEGMENT_BYTES, self.budget // SEGMENT_FRACTION)
+        )
+        self.max_pending_bytes = max_pending_bytes
+        self.entries: dict[bytes, DiskEntry] = {}
+        self.segments: dict[int, _Segment] = {}
+        self._lock = threading.RLock()
+        self._fds: dict[int, int] = {}
+        self._active: int | None = None  # segment the writer appends to
+        self._ids = 0  # the newest segment's id
+        self._entry_ids = itertools.count()
+        self._clock = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: dict[bytes, int] = {}  # queued hash -> payload bytes
+        self._pending_bytes = 0
+        self._thread: threading.Thread | None = None
+        self._lock_fd: int | None = None
+        self._index_dirty = False
+        self._index_written = 0.0
+        self.enabled = False
+        self.writable = False
+        self.status = ""
+        self.writes = self.hits = self.hit_bytes = self.dropped = 0
+        self.evictions = self.skipped_writes = 0
+        if record + _SEG_HEADER.size > self.budget:
+            self._turn_off(f"budget of {self.budget} B holds no page of {self.page_bytes} B")
+            return
+        try:
+            self._open()
+        except OSError as exc:
+            self._turn_off(f"cannot use {self.directory}: {exc}")
+
+    # -- opening ---------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock_path = self.directory / "lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            fd = os.open(lock_path, os.O_RDONLY)  # a read-only store: read what is there
+        self._lock_fd = fd
+        self.enabled = True
+        self._try_become_writer()
+        self._load()
+        if self.writable:
+            self._make_room(0)
+            self._start_writer()
+        elif not self.status:
+            self.status = "reading only: another Folio process writes this store"
+
+    def _try_become_writer(self) -> bool:
+        assert self._lock_fd is not None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not os.access(self.directory, os.W_OK):
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self.status = f"reading only: {self.directory} is not writable"
+            return False
+        self.writable = True
+        self.status = ""
+        return True
+
+    def _load(self) -> None:
+        """Segments and entries from the index where it is good, completed (or replaced)
+        by scanning what the index does not cover. The writer also truncates torn tails
+        and deletes segments of another format."""
+        with self._lock:
+            scanned = self._read_index()
+            for seg_id, path in self._segment_files():
+                self._ids = max(self._ids, seg_id)
+                self._add_segment(seg_id, path, scanned.get(seg_id))
+            for h in [h for h, e in self.entries.items() if e.segment not in self.segments]:
+                del self.entries[h]  # indexed in a segment that is gone
+            if self.writable:
+                for stale in self.directory.glob("*.tmp"):
+                    stale.unlink(missing_ok=True)
+                self._write_index()
+
+    def _segment_files(self) -> Iterator[tuple[int, Path]]:
+        for path in sorted(self.directory.glob("seg-*.kv")):
+            try:
+                yield int(path.stem[4:]), path
+            except ValueError:
+                continue
+
+    def _read_index(self) -> dict[int, int]:
+        """Load ``index.bin`` into ``entries``; returns bytes covered per segment (empty
+        when the index is missing or bad: everything is scanned then)."""
+        path = self.directory / "index.bin"
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        body, crc = raw[: -_CRC.size], raw[-_CRC.size :]
+        if len(raw) < _IDX_HEADER.size + _CRC.size or zlib.crc32(body) != _CRC.unpack(crc)[0]:
+            log.warning("disk cache index %s is damaged: rebuilding it from the segments", path)
+            return {}
+        magic, version, root, fmt, n_seg, n_ent = _IDX_HEADER.unpack_from(body)
+        want = _IDX_HEADER.size + n_seg * _IDX_SEGMENT.size + n_ent * _IDX_ENTRY.size
+        if (magic, version, root, fmt) != (_IDX_MAGIC, FORMAT_VERSION, self._root, self._format):
+            return {}
+        if len(body) != want:
+            return {}
+        pos = _IDX_HEADER.size
+        scanned: dict[int, int] = {}
+        for _ in range(n_seg):
+            seg_id, end = _IDX_SEGMENT.unpack_from(body, pos)
+            scanned[seg_id] = end
+            pos += _IDX_SEGMENT.size
+        for _ in range(n_ent):
+            h, parent, has_parent, seg, offset, length, serial = _IDX_ENTRY.unpack_from(body, pos)
+            pos += _IDX_ENTRY.size
+            if seg in scanned and length == self.page_bytes:
+                self._put_entry(h, parent if has_parent else None, seg, offset, length, serial)
+        return scanned
+
+    def _add_segment(self, seg_id: int, path: Path, covered: int | None) -> None:
+        """Take segment ``seg_id`` into the store: its indexed entries are checked against
+        the file's size, and the part the index does not cover is scanned."""
+        size = path.stat().st_size
+        if not self._header_ok(path):
+            self._drop_segment_entries(seg_id)
+            if size:
+                self.dropped += 1
+                log.warning("disk cache: %s is not this model's or format's: dropped", path.name)
+            if self.writable:
+                path.unlink(missing_ok=True)
+            return
+        mine = [e for e in self.entries.values() if e.segment == seg_id]
+        if covered is None or covered > size or any(e.offset + e.record_bytes > size for e in mine):
+            self.dropped += sum(1 for e in mine if e.offset + e.record_bytes > size)
+            self._drop_segment_entries(seg_id)
+            covered = _SEG_HEADER.size
+        seg = _Segment(seg_id, size, sum(e.record_bytes for e in mine if e.hash in self.entries))
+        self.segments[seg_id] = seg
+        end = self._scan(seg, path, covered, size)
+        if end < size and self.writable:
+            os.truncate(path, end)  # a torn tail: the next append starts on a clean record
+            seg.size = end
+
+    def _header_ok(self, path: Path) -> bool:
+        with open(path, "rb") as f:
+            raw = f.read(_SEG_HEADER.size)
+        if len(raw) < _SEG_HEADER.size:
+            return False
+        magic, version, root, fmt, crc = _SEG_HEADER.unpack(raw)
+        return (magic, version, root, fmt) == (
+            _SEG_MAGIC,
+            FORMAT_VERSION,
+            self._root,
+            self._format,
+        ) and zlib.crc32(raw[: -_CRC.size]) == crc
+
+    def _scan(self, seg: _Segment, path: Path, start: int, size: int) -> int:
+        """Index the records of ``path`` from ``start``; returns where its last good
+        record ends. A bad header is skipped to the next record magic; payloads are
+        checked when read."""
+        pos, good_end = start, start
+        with open(path, "rb") as f:
+            while pos + _REC_HEADER.size <= size:
+                f.seek(pos)
+                head = _decode_header(f.read(_REC_HEADER.size))
+                if head is None or pos + _REC_HEADER.size + head[2] > size:
+                    nxt = self._next_magic(f, pos + 1, size)
+                    if head is not None and nxt is None:
+                        break  # a torn last record
+                    self.dropped += 1
+                    if nxt is None:
+                        break
+                    pos = nxt
+                    continue
+                h, parent, length, _ = head
+                if length == self.page_bytes:
+                    self._clock += 1
+                    old = self.entries.get(h)
+                    if old is not None and old.segment in self.segments:
+                        self.segments[old.segment].live -= old.record_bytes
+                    self._put_entry(h, parent, seg.id, pos, length, self._clock)
+                    seg.live += _REC_HEADER.size + length
+                pos += _REC_HEADER.size + length
+                good_end = pos
+        return good_end
+
+    @staticmethod
+    def _next_magic(f, start: int, size: int) -> int | None:
+        pos = start
+        while pos < size:
+            f.seek(pos)
+            chunk = f.read(_SCAN_CHUNK + len(_REC_MAGIC))
+            found = chunk.find(_REC_MAGIC)
+            if found >= 0:
+                return pos + found
+            pos += _SCAN_CHUNK
+        return None
+
+    def _put_entry(
+        self, h: bytes, parent: bytes | None, seg: int, offset: int, length: int, serial: int
+    ) -> None:
+        old = self.entries.get(h)
+        index = old.index if old is not None else next(self._entry_ids)
+        self.entries[h] = DiskEntry(index, h, parent, seg, offset, length, serial)
+        self._clock = max(self._clock, serial)
+
+    def _drop_segment_entries(self, seg_id: int) -> None:
+        for h in [h for h, e in self.entries.items() if e.segment == seg_id]:
+            del self.entries[h]
+
+    # -- what the page table asks -----------------------------------------------------
+
+    def __contains__(self, h: bytes) -> bool:
+        return self.enabled and (h in self.entries or h in self._pending)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.segments.values())
+
+    def put(self, h: bytes, parent: bytes | None, payload: bytes, wait: bool = False) -> bool:
+        """Queue a full page for writing. False when the tier cannot take it (off, read
+        only, already there, or the queue is full and ``wait`` is off)."""
+        if not (self.enabled and self.writable) or h in self:
+            return False
+        if len(payload) != self.page_bytes:
+            raise ValueError(f"page of {len(payload)} B for a store of {self.page_bytes} B pages")
+        if not wait and self._pending_bytes + len(payload) > self.max_pending_bytes:
+            self.skipped_writes += 1
+            return False
+        with self._lock:
+            self._pending[h] = len(payload)
+            self._pending_bytes += len(payload)
+        self._queue.put((h, parent, payload))
+        return True
+
+    def read(self, h: bytes) -> bytes | None:
+        """The payload of page ``h``, verified; None (and the record dropped) when it is
+        missing, torn or corrupt."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            entry = self.entries.get(h)
+            if entry is None:
+                return None
+            try:
+                fd = self._fd(entry.segment)
+                raw = os.pread(fd, entry.record_bytes, entry.offset)
+            except OSError:
+                raw = b""
+            head = _decode_header(raw)
+            payload = raw[_REC_HEADER.size :]
+            if (
+                head is None
+                or head[0] != h
+                or head[2] != entry.length
+                or len(payload) != entry.length
+                or zlib.crc32(payload) != head[3]
+            ):
+                log.warning(
+                    "disk cache: page %s is damaged: dropped, it will be recomputed", h.hex()
+                )
+                self._drop(entry)
+                self.dropped += 1
+                return None
+            self._clock += 1
+            entry.access_serial = self._clock
+            self._index_dirty = True
+            self.hits += 1
+            self.hit_bytes += entry.length
+            return payload
+
+    def refresh(self) -> None:
+        """A reader picks up what the writer appended since (and becomes the writer if
+        that process has gone)."""
+        if not self.enabled or self.writable:
+            return
+        with self._lock:
+            if self._try_become_writer():
+                self._load()
+                self._start_writer()
+                return
+            present = dict(self._segment_files())
+            for seg_id in [s for s in self.segments if s not in present]:
+                self._forget_segment(seg_id)
+            for seg_id, path in present.items():
+                seg = self.segments.get(seg_id)
+                try:
+                    size = path.stat().st_size
+                    if seg is None:
+                        self._add_segment(seg_id, path, None)
+                    elif size > seg.size:
+                        seg.size = self._scan(seg, path, seg.size, size)
+                except OSError:
+                    continue
+
+    # -- the writer thread ---------------------------------------------------------------
+
+    def _start_writer(self) -> None:
+        self._thread = threading.Thread(
+            target=self._write_loop, name="folio-disk-tier", daemon=True
+        )
+        self._thread.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if callable(item):
+                    item()
+                    continue
+                h, parent, payload = item
+                if self.enabled:
+                    self._append(h, parent, payload)
+            except OSError as exc:
+                self._turn_off(f"cannot write {self.directory}: {exc}")
+            finally:
+                if item is not None and not callable(item):
+                    with self._lock:
+                        self._pending_bytes -= self._pending.pop(item[0], 0)
+                self._queue.task_done()
+                if self._queue.empty() and self.enabled and self._index_dirty:
+                    if time.monotonic() - self._index_written >= INDEX_INTERVAL_S:
+                        self._write_index_safely()
+
+    def _append(self, h: bytes, parent: bytes | None, payload: bytes) -> None:
+        if h in self.entries:
+            return
+        record = encode_record(h, parent, payload)
+        self._make_room(len(record))
+        with self._lock:
+            seg = self._active_segment(len(record))
+            offset = seg.size
+            _write_all(self._fd(seg.id), record)
+            seg.size += len(record)
+            seg.live += len(record)
+            self._clock += 1
+            self._put_entry(h, parent, seg.id, offset, len(payload), self._clock)
+            self.writes += 1
+            self._index_dirty = True
+
+    def _active_segment(self, record_bytes: int) -> _Segment:
+        seg = self.segments.get(self._active) if self._active is not None else None
+        if seg is None or seg.size + record_bytes > self.segment_bytes:
+            last = max(self.segments.values(), key=lambda s: s.id, default=None)
+            if seg is None and last is not None and last.size + record_bytes <= self.segment_bytes:
+                seg = last  # carry on the newest segment left by an earlier run
+            else:
+                seg = self._new_segment()
+            self._active = seg.id
+        return seg
+
+    def _new_segment(self) -> _Segment:
+        self._ids += 1
+        path = self.directory / segment_name(self._ids)
+        header = _SEG_HEADER.pack(_SEG_MAGIC, FORMAT_VERSION, self._root, self._format, 0)
+        header = header[: -_CRC.size] + _CRC.pack(zlib.crc32(header[: -_CRC.size]))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._fds[self._ids] = fd
+        _write_all(fd, header)
+        seg = _Segment(self._ids, len(header))
+        self.segments[seg.id] = seg
+        return seg
+
+    def _fd(self, seg_id: int) -> int:
+        fd = self._fds.get(seg_id)
+        if fd is None:
+            flags = os.O_RDWR | os.O_APPEND if self.writable else os.O_RDONLY
+            fd = os.open(self.directory / segment_name(seg_id), flags)
+            self._fds[seg_id] = fd
+        return fd
+
+    # -- budget -----------------------------------------------------------------------
+
+    def _make_room(self, incoming: int) -> None:
+        """Before appending ``incoming`` bytes: over budget, drop chain tails first until
+        a segment's worth is free, then compact the segments that held them."""
+        with self._lock:
+            if self.nbytes() + incoming <= self.budget:
+                return
+            live = sum(e.record_bytes for e in self.entries.values())
+            target = max(0, self.budget - self.segment_bytes - incoming)
+            by_id = {e.index: e for e in self.entries.values()}
+            for idx in eviction_order(by_id.values()):
+                if live <= target:
+                    break
+                entry = by_id[idx]
+                live -= entry.record_bytes
+                self._drop(entry)
+                self.evictions += 1
+            active = self.segments.get(self._active) if self._active is not None else None
+            if active is not None and active.live < active.size - _SEG_HEADER.size:
+                self._active = None  # it holds dropped records: compact it too
+            for seg in sorted(self.segments.values(), key=lambda s: s.live - s.size):
+                if self.nbytes() + incoming <= self.budget:
+                    break
+                if seg.id != self._active and seg.live < seg.size - _SEG_HEADER.size:
+                    self._compact(seg)
+
+    def _compact(self, seg: _Segment) -> None:
+        """Copy ``seg``'s live records to the active segment and delete it."""
+        for entry in sorted(
+            (e for e in self.entries.values() if e.segment == seg.id), key=lambda e: e.offset
+        ):
+            raw = os.pread(self._fd(seg.id), entry.record_bytes, entry.offset)
+            head = _decode_header(raw)
+            if (
+                head is None
+                or head[0] != entry.hash
+                or zlib.crc32(raw[_REC_HEADER.size :]) != head[3]
+            ):
+                self._drop(entry)
+                self.dropped += 1
+                continue
+            target = self._active_segment(len(raw))
+            offset = target.size
+            _write_all(self._fd(target.id), raw)
+            target.size += len(raw)
+            target.live += len(raw)
+            seg.live -= len(raw)
+            entry.segment, entry.offset = target.id, offset
+        self._forget_segment(seg.id)
+        (self.directory / seg.name).unlink(missing_ok=True)
+        self._index_dirty = True
+
+    def _forget_segment(self, seg_id: int) -> None:
+        self._drop_segment_entries(seg_id)
+        self.segments.pop(seg_id, None)
+        fd = self._fds.pop(seg_id, None)
+        if fd is not None:
+            os.close(fd)
+        if self._active == seg_id:
+            self._active = None
+
+    def _drop(self, entry: DiskEntry) -> None:
+        if self.entries.get(entry.hash) is entry:
+            del self.entries[entry.hash]
+            seg = self.segments.get(entry.segment)
+            if seg is not None:
+                seg.live -= entry.record_bytes
+            self._index_dirty = True
+
+    # -- index -----------------------------------------------------------------------
+
+    def _write_index(self) -> None:
+        with self._lock:
+            entries = sorted(self.entries.values(), key=lambda e: (e.segment, e.offset))
+            parts = [
+                _IDX_HEADER.pack(
+                    _IDX_MAGIC,
+                    FORMAT_VERSION,
+                    self._root,
+                    self._format,
+                    len(self.segments),
+                    len(entries),
+                )
+            ]
+            parts += [_IDX_SEGMENT.pack(s.id, s.size) for s in self.segments.values()]
+            parts += [
+                _IDX_ENTRY.pack(
+                    e.hash,
+                    e.parent_hash or _NO_PARENT,
+                    e.parent_hash is not None,
+                    e.segment,
+                    e.offset,
+                    e.length,
+                    e.access_serial,
+                )
+                for e in entries
+            ]
+            body = b"".join(parts)
+            tmp = self.directory / "index.bin.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, body + _CRC.pack(zlib.crc32(body)))
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.directory / "index.bin")
+            self._index_dirty = False
+            self._index_written = time.monotonic()
+
+    def _write_index_safely(self) -> None:
+        try:
+            self._write_index()
+        except OSError as exc:
+            self._turn_off(f"cannot write {self.directory}: {exc}")
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every queued page is written, then write the index."""
+        if self._thread is None:
+            return
+        self._queue.join()
+        if self.enabled and self.writable and self._index_dirty:
+            self._write_index_safely()
+
+    def close(self) -> None:
+        """Write what is queued and the index; let go of the files and the lock."""
+        self.flush()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+        self.enabled = self.writable = False
+
+    def clear(self) -> int:
+        """Delete every page of this store; returns the bytes freed."""
+        if not (self.enabled and self.writable):
+            return 0
+        self.flush()
+        with self._lock:
+            freed = self.nbytes()
+            for seg_id in list(self.segments):
+                self._forget_segment(seg_id)
+                (self.directory / segment_name(seg_id)).unlink(missing_ok=True)
+            self.entries.clear()
+            self._write_index_safely()
+        return freed
+
+    def _turn_off(self, message: str) -> None:
+        if self.status.startswith("off"):
+            return
+        self.status = f"off: {message}"
+        log.warning("disk cache %s", self.status)
+        self.enabled = self.writable = False
+        with self._lock:
+            self.entries.clear()
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def stats(self) -> DiskTierStats:
+        with self._lock:
+            return DiskTierStats(
+                pages=len(self.entries),
+                bytes=self.nbytes(),
+                budget=self.budget,
+                writes=self.writes,
+                hits=self.hits,
+                hit_bytes=self.hit_bytes,
+                dropped=self.dropped,
+                evictions=self.evictions,
+                skipped_writes=self.skipped_writes,
+                writable=self.writable,
+                status=self.status,
+            )
+
+    def validate(self) -> None:
+        with self._lock:
+            for h, e in self.entries.items():
+                assert e.hash == h, f"disk entry keyed {h.hex()} holds {e.hash.hex()}"
+                seg = self.segments.get(e.segment)
+                assert seg is not None, f"disk entry {h.hex()} in missing segment {e.segment}"
+                assert e.offset + e.record_bytes <= seg.size, f"disk entry {h.hex()} past its end"
+            for seg in self.segments.values():
+                live = sum(e.record_bytes for e in self.entries.values() if e.segment == seg.id)
+                assert seg.live == live, f"segment {seg.id} live {seg.live} != {live}"
+            if self.writable:
+                assert self.nbytes() <= self.budget + self.segment_bytes, "store over budget"
