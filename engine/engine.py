@@ -181,6 +181,7 @@ class Engine:
         for job in self._jobs_from(inbox):
             events.extend(self.generator.cancel(job.job_id))
         self._dispatch(events)
+        self.cache.close()
 
     def __enter__(self) -> Engine:
         return self.start()

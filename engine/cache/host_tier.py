@@ -11,7 +11,7 @@ On a CPU-only machine the device pool and the tier are both RAM: it still works.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +82,9 @@ class HostTier:
         self.pushes = 0
         self.restores = 0
         self.evictions = 0
+        # Called with (hash, parent hash, page bytes) of each evicted entry before its slot
+        # is reused: the page table hands it to the disk tier.
+        self.on_evict: Callable[[bytes, bytes | None, bytes], None] | None = None
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.entries
@@ -157,6 +160,8 @@ class HostTier:
                 return None  # protected entries come last: every slot is protected
             q.position += 1
             break
+        if self.on_evict is not None:
+            self.on_evict(entry.hash, entry.parent_hash, self.storage.read_page(slot))
         del self.entries[entry.hash]
         self.slots[slot] = None
         self.evictions += 1

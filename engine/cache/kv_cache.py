@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cache.disk_tier import DiskTier, store_dir
 from engine.cache.formats import kv_formats
 from engine.cache.host_tier import HostTier
 from engine.cache.page import CacheFingerprint
@@ -44,6 +45,8 @@ class CacheSettings:
     v_bits: int | None = None
     host_bytes: int = 0  # host-tier budget; 0 disables the tier
     eviction: str = "tail_first"
+    disk_dir: str | None = None  # disk-tier location (a store per model under it); None: off
+    disk_bytes: int | None = None  # disk-tier budget; None: a few GB or 10% of the free disk
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -182,6 +185,16 @@ class KVCache:
             for i in range(num_layers)
         ]
         self._covered: StepBatch | None = None  # the last batch the offset tables cover
+        self.disk = (
+            DiskTier(
+                store_dir(settings.disk_dir, self.fingerprint),
+                self.fingerprint,
+                self.storage,
+                settings.disk_bytes,
+            )
+            if settings.disk_dir is not None
+            else None
+        )
         self.pages = PageTable(
             self.storage.num_pages,
             self.page_size,
@@ -189,6 +202,7 @@ class KVCache:
             self.storage,
             host,
             settings.eviction,
+            disk_tier=self.disk,
         )
         probe = torch.empty(1, 1, head_dim)
         self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
@@ -218,6 +232,13 @@ class KVCache:
             settings,
             calibration,
         )
+
+    def close(self) -> None:
+        """Write every full page the disk tier lacks and close it (nothing without one):
+        what the engine does at shutdown, so the next process finds this one's pages."""
+        if self.disk is not None:
+            self.pages.write_through()
+            self.disk.close()
 
     @property
     def num_pages(self) -> int:

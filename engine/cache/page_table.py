@@ -19,6 +19,7 @@ from enum import StrEnum
 import numpy as np
 
 from engine.cache.defrag import plan_defrag
+from engine.cache.disk_tier import DiskTier
 from engine.cache.eviction import EvictionPolicy, eviction_order
 from engine.cache.host_tier import HostTier
 from engine.cache.page import (
@@ -48,6 +49,7 @@ class Allocation:
     prefill_pages: list[int]  # logical pages covering the prompt that are not full yet
     hit_pages: int = 0  # context pages found in the device pool
     restored_pages: int = 0  # context pages copied back from the host tier
+    disk_pages: int = 0  # context pages read back from the disk tier
     partial_rows: int = 0  # rows copied from a sibling page (partial last page)
 
 
@@ -56,6 +58,7 @@ class CacheEventKind(StrEnum):
     REMOVED = "removed"  # a page lost its content (reset to empty)
     EVICTED = "evicted"  # a page with content was taken for reuse
     RESTORED = "restored"  # a page was copied back from the host tier
+    DISK_RESTORED = "disk_restored"  # a page was read back from the disk tier
     TIER_PUSH = "tier_push"  # an evicted page was copied to the host tier
     DEFRAG_MOVE = "defrag_move"
     CLEARED = "cleared"
@@ -77,6 +80,9 @@ class CacheCounters:
     evictions: int = 0
     tier_pushes: int = 0
     tier_restores: int = 0
+    disk_restores: int = 0
+    disk_restored_bytes: int = 0
+    disk_spills: int = 0  # full pages queued for the disk tier
     defrags: int = 0
     defrag_moved_pages: int = 0
     defrag_copies: int = 0
@@ -112,6 +118,7 @@ class PageTable:
         host_tier: HostTier | None = None,
         eviction: EvictionPolicy | str = EvictionPolicy.TAIL_FIRST,
         max_events: int = 4096,
+        disk_tier: DiskTier | None = None,
     ):
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
@@ -126,14 +133,17 @@ class PageTable:
             page_size,
         ):
             raise ValueError("storage shape differs from the page table's")
-        if host_tier is not None and storage is None:
-            raise ValueError("a host tier needs a device storage to copy from")
+        if (host_tier is not None or disk_tier is not None) and storage is None:
+            raise ValueError("a host or disk tier needs a device storage to copy from")
         self.num_pages = num_pages
         self.page_size = page_size
         self.fingerprint = fingerprint
         self.root_digest = fingerprint.root_digest()
         self.storage = storage
         self.host_tier = host_tier
+        self.disk_tier = disk_tier
+        if host_tier is not None and disk_tier is not None:
+            host_tier.on_evict = self._spill_host_entry
         self._victims = _Victims()
         self._policy = EvictionPolicy(eviction)
         self.pages = [PageRecord(i, new_placeholder_hash()) for i in range(num_pages)]
@@ -227,6 +237,10 @@ class PageTable:
         protected = frozenset(ctx)
         alloc = Allocation(job_id, [], len(tokens), len(ctx), 0, [])
         parent: bytes | None = None
+        disk = self.disk_tier
+        if disk is not None and ctx:
+            disk.refresh()  # a reader sees what another process wrote since
+        disk_chain = disk is not None  # off after the first page the disk cannot give
         for i, h in enumerate(ctx):
             rec = self.referenced.get(h) or self.unreferenced.get(h)
             if rec is not None:
@@ -242,6 +256,8 @@ class PageTable:
                     alloc.restored_pages += 1
                     self.counters.tier_restores += 1
                     self.events.append(CacheEvent(CacheEventKind.RESTORED, rec.index, h, parent))
+                elif disk_chain:
+                    disk_chain = self._restore_from_disk(rec, alloc)
             self._add_ref(rec, job_id)
             alloc.block_table.append(rec.index)
             parent = h
@@ -367,8 +383,66 @@ class PageTable:
                     self.events.append(
                         CacheEvent(CacheEventKind.TIER_PUSH, rec.index, rec.hash, rec.parent_hash)
                     )
+            if self.host_tier is None or rec.hash not in self.host_tier:
+                self._spill(rec)  # leaving every faster tier: keep it on disk
         self._reset_empty(rec)
         return rec
+
+    # -- the disk tier ---------------------------------------------------------------
+
+    def _restore_from_disk(self, rec: PageRecord, alloc: Allocation) -> bool:
+        """Fill the freshly keyed ``rec`` from the disk tier; False when the disk has
+        no good copy (the page, and the rest of the chain, are recomputed)."""
+        assert self.disk_tier is not None and self.storage is not None
+        payload = self.disk_tier.read(rec.hash) if rec.hash in self.disk_tier else None
+        if payload is None:
+            return False
+        self.storage.write_page(rec.index, payload)
+        rec.fill = self.page_size
+        self._sync(rec)
+        alloc.disk_pages += 1
+        self.counters.disk_restores += 1
+        self.counters.disk_restored_bytes += len(payload)
+        self.events.append(
+            CacheEvent(CacheEventKind.DISK_RESTORED, rec.index, rec.hash, rec.parent_hash)
+        )
+        return True
+
+    def _spill(self, rec: PageRecord) -> None:
+        """Queue a full content page for the disk tier (unless it is there already)."""
+        disk = self.disk_tier
+        if disk is None or not rec.has_content_hash or rec.fill < self.page_size:
+            return
+        if rec.hash not in disk:
+            assert self.storage is not None
+            if disk.put(rec.hash, rec.parent_hash, self.storage.read_page(rec.index)):
+                self.counters.disk_spills += 1
+
+    def _spill_host_entry(self, h: bytes, parent: bytes | None, payload: bytes) -> None:
+        """The host tier's eviction hands its victim here before reusing the slot."""
+        assert self.disk_tier is not None
+        if h not in self.disk_tier and self.disk_tier.put(h, parent, payload):
+            self.counters.disk_spills += 1
+
+    def write_through(self) -> int:
+        """Queue every full content page (device pool, then host tier) that the disk tier
+        lacks: run when the engine is idle, so the pages of finished jobs survive a quit
+        or a crash. Parents before children. Returns the pages queued."""
+        disk = self.disk_tier
+        if disk is None or not disk.writable:
+            return 0
+        before = self.counters.disk_spills
+        for rec in sorted(self.pages, key=lambda r: (r.access_serial, r.index)):
+            if rec.fill == self.page_size:
+                self._spill(rec)
+        host = self.host_tier
+        if host is not None:
+            for entry in sorted(host.entries.values(), key=lambda e: e.access_serial):
+                if entry.hash not in disk:
+                    self._spill_host_entry(
+                        entry.hash, entry.parent_hash, host.read_slot(entry.hash)
+                    )
+        return self.counters.disk_spills - before
 
     # -- per-page state changes (the only places records change) ------------------
 
@@ -682,14 +756,22 @@ class PageTable:
             edges=edges,
             host=self.host_tier.snapshot() if self.host_tier is not None else None,
             counters=asdict(self.counters),
+            disk=self.disk_tier.stats() if self.disk_tier is not None else None,
         )
 
     def stats(self) -> CacheStats:
         """The pool's figures now, read in place: what the generator records every step,
         without the copies a `snapshot` makes for other threads."""
         host = len(self.host_tier.entries) if self.host_tier is not None else 0
+        disk = len(self.disk_tier) if self.disk_tier is not None else 0
         return page_stats(
-            self._m_state, self._m_ref, self._m_fill, host, asdict(self.counters), self.page_size
+            self._m_state,
+            self._m_ref,
+            self._m_fill,
+            host,
+            asdict(self.counters),
+            self.page_size,
+            disk,
         )
 
     def validate(self) -> None:
@@ -769,3 +851,5 @@ class PageTable:
                 )
         if self.host_tier is not None:
             self.host_tier.validate()
+        if self.disk_tier is not None:
+            self.disk_tier.validate()

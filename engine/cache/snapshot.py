@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cache.disk_tier import DiskTierStats
 from engine.cache.host_tier import HostTierSnapshot
 from engine.cache.page import PageState
 
@@ -26,6 +27,7 @@ class CacheSnapshot:
     edges: np.ndarray  # [E, 2] int32: (child page, parent page)
     host: HostTierSnapshot | None
     counters: dict[str, int]
+    disk: DiskTierStats | None = None  # the disk tier's figures, when there is one
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,21 @@ class CacheStats:
     waste: float = 0.0  # 1 - tokens_stored / (pages_referenced * page_size)
     sharing: float = 0.0  # pages with ref_count > 1 / pages_referenced
     prefix_hit_rate: float = 0.0  # prefix_hit_tokens / prefix_query_tokens, cumulative
+    pages_disk: int = 0  # records of the disk tier
 
 
 def cache_stats(snapshot: CacheSnapshot, page_size: int) -> CacheStats:
     host = snapshot.host
     pages_host = 0 if host is None else int(np.count_nonzero(host.state == PageState.HOST))
+    pages_disk = 0 if snapshot.disk is None else snapshot.disk.pages
     return page_stats(
-        snapshot.state, snapshot.ref_count, snapshot.fill, pages_host, snapshot.counters, page_size
+        snapshot.state,
+        snapshot.ref_count,
+        snapshot.fill,
+        pages_host,
+        snapshot.counters,
+        page_size,
+        pages_disk,
     )
 
 
@@ -57,6 +67,7 @@ def page_stats(
     pages_host: int,
     counters: dict[str, int],
     page_size: int,
+    pages_disk: int = 0,
 ) -> CacheStats:
     """The figures from per-page arrays (a snapshot's, or the page table's own, read in
     place by `PageTable.stats` at every step)."""
@@ -75,4 +86,5 @@ def page_stats(
         waste=1.0 - tokens / (n_ref * page_size) if n_ref else 0.0,
         sharing=shared / n_ref if n_ref else 0.0,
         prefix_hit_rate=hits / queried if queried else 0.0,
+        pages_disk=pages_disk,
     )

@@ -209,8 +209,12 @@ class Generator:
             self._finish_job(job, StopReason.ERROR, events, reason)
 
     def _defrag_when_drained(self) -> None:
-        if self.idle and self.settings.defrag and not self.pages.referenced:
-            self.pages.defrag()
+        if self.idle and not self.pages.referenced:
+            # Pages of finished jobs go to the disk tier now, not only when evicted: a
+            # quit or a crash keeps them (the writes run on the tier's own thread).
+            self.pages.write_through()
+            if self.settings.defrag:
+                self.pages.defrag()
 
     # -- prefill (§7 step 2) ----------------------------------------------------------
 
