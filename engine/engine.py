@@ -50,6 +50,9 @@ class JobInfo:
     wait_reason: str
     sequences: tuple[int, ...]  # page-table ids of its live sequences
     pages: int  # distinct pages held
+    disk_pages: int = 0  # context pages read back from the disk tier on admission
+    disk_bytes: int = 0
+    disk_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,7 @@ class Engine:
                 eos_reason=r.eos_reason,
                 prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens,
+                disk_pages=r.disk_pages,
                 new_tokens=r.new_tokens,
                 time_prefill=r.time_prefill,
                 time_generate=r.time_generate,
@@ -371,6 +375,9 @@ def _job_info(job: Job) -> JobInfo:
         wait_reason=job.wait_reason,
         sequences=tuple(s.seq_id for s in job.sequences if s.alloc is not None),
         pages=len(job.held_pages()),
+        disk_pages=job.disk_pages,
+        disk_bytes=job.disk_bytes,
+        disk_seconds=job.disk_seconds,
     )
 
 

@@ -51,3 +51,9 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def kv_cache_dir() -> Path:
+    """``$FOLIO_KV_CACHE_DIR``, else ``kv`` in the user cache folder: the disk tier of the
+    prompt cache (a store per model and cache format, rebuilt by prefilling again)."""
+    return _from_env("FOLIO_KV_CACHE_DIR") or cache_dir() / "kv"

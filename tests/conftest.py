@@ -16,6 +16,14 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _own_kv_cache_dir(tmp_path_factory, monkeypatch):
+    """Each test its own disk tier location, in its children too: `folio generate`,
+    `folio serve` and the app use the disk tier by default, and one test's pages must not
+    be another's cache hits (nor land in the user's cache folder)."""
+    monkeypatch.setenv("FOLIO_KV_CACHE_DIR", str(tmp_path_factory.mktemp("kv")))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF, fetched through Folio's own first-run fetch."""

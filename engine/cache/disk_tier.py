@@ -11,6 +11,8 @@ digest names it, the same digest every chained hash starts from):
   torn, from another format or behind its segments, it is rebuilt (or completed) by
   scanning the segment files.
 - ``lock``: ``fcntl.flock``-ed by the one process that writes; others only read.
+- ``store.json``: which model the store is for (its name and file), written by the
+  writer; what `folio cache stats` lists and what deleting a model looks stores up by.
 
 Nothing read from disk is trusted: a record is used only when its header and payload
 CRCs, its hash and its length all check out, else it is dropped and the page recomputed.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import itertools
+import json
 import logging
 import os
 import queue
@@ -36,7 +39,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +68,73 @@ _IDX_ENTRY = struct.Struct("<16s16sBIQQQ")  # hash, parent, has parent, seg, off
 _CRC = struct.Struct("<I")
 _NO_PARENT = bytes(DIGEST_SIZE)
 _SCAN_CHUNK = 1 << 20
+_READ_SPAN = 64 << 20  # the most one read_chain call reads at once
 
 
 def store_dir(location: Path | str, fingerprint: CacheFingerprint) -> Path:
     """The store of one model and cache format under ``location``."""
     return Path(location) / fingerprint.root_digest().hex()
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """One store under a location, read from its files (no tier opened)."""
+
+    directory: Path
+    model: str  # the model's name, "" when the store has no readable store.json
+    model_path: str
+    bytes: int  # of its files
+    in_use: bool  # a process holds its writer lock
+
+
+def list_stores(location: Path | str) -> list[StoreInfo]:
+    """Every store under ``location`` (none when it does not exist)."""
+    root = Path(location)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            label = json.loads((d / "store.json").read_text())
+            model, model_path = str(label.get("model", "")), str(label.get("path", ""))
+        except (OSError, ValueError, AttributeError):
+            model = model_path = ""
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        out.append(StoreInfo(d, model, model_path, size, _locked(d)))
+    return out
+
+
+def _locked(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / "lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
+
+
+def delete_stores(location: Path | str, model_path: Path | str | None = None) -> tuple[int, int]:
+    """Delete the stores under ``location`` (only ``model_path``'s, when given) that no
+    process is writing. Returns (bytes freed, stores left because they are in use)."""
+    want = str(Path(model_path).resolve()) if model_path is not None else None
+    freed = busy = 0
+    for store in list_stores(location):
+        if want is not None and store.model_path != want:
+            continue
+        if store.in_use:
+            busy += 1
+            continue
+        shutil.rmtree(store.directory, ignore_errors=True)
+        if not store.directory.exists():
+            freed += store.bytes
+    return freed, busy
 
 
 def default_budget(location: Path | str) -> int:
@@ -181,9 +246,11 @@ class DiskTier:
         byte_budget: int | None = None,
         segment_bytes: int | None = None,
         max_pending_bytes: int = 256 << 20,
+        label: dict[str, str] | None = None,
     ):
         """The store in ``directory`` for pages of ``layout``'s format under
-        ``fingerprint``. Never raises for the disk's sake: a store it cannot use leaves
+        ``fingerprint``; ``label`` (the model's ``model`` name and file ``path``) goes
+        into ``store.json``. Never raises for the disk's sake: a store it cannot use leaves
         the tier off, with the reason in ``status``."""
         self.directory = Path(directory)
         self.page_bytes = layout.bytes_per_page
@@ -195,6 +262,7 @@ class DiskTier:
             record + _SEG_HEADER.size, min(MAX_SEGMENT_BYTES, self.budget // SEGMENT_FRACTION)
         )
         self.max_pending_bytes = max_pending_bytes
+        self.label = label or {}
         self.entries: dict[bytes, DiskEntry] = {}
         self.segments: dict[int, _Segment] = {}
         self._lock = threading.RLock()
@@ -237,10 +305,18 @@ class DiskTier:
         self._try_become_writer()
         self._load()
         if self.writable:
+            self._write_label()
             self._make_room(0)
             self._start_writer()
         elif not self.status:
             self.status = "reading only: another Folio process writes this store"
+
+    def _write_label(self) -> None:
+        if not self.label:
+            return
+        tmp = self.directory / "store.json.tmp"
+        tmp.write_text(json.dumps(self.label))
+        os.replace(tmp, self.directory / "store.json")
 
     def _try_become_writer(self) -> bool:
         assert self._lock_fd is not None
@@ -431,38 +507,74 @@ class DiskTier:
     def read(self, h: bytes) -> bytes | None:
         """The payload of page ``h``, verified; None (and the record dropped) when it is
         missing, torn or corrupt."""
+        found = self.read_chain([h])
+        return bytes(found[0]) if found else None
+
+    def read_chain(self, hashes: Sequence[bytes]) -> list[memoryview]:
+        """The verified payloads of the longest leading run of ``hashes`` the store has
+        good copies of (a damaged record is dropped and ends the run). Records that lie
+        back to back in a segment, as a chain written in order does, are read with one
+        call into one buffer."""
+        out: list[memoryview] = []
         if not self.enabled:
-            return None
+            return out
         with self._lock:
-            entry = self.entries.get(h)
-            if entry is None:
-                return None
-            try:
-                fd = self._fd(entry.segment)
-                raw = os.pread(fd, entry.record_bytes, entry.offset)
-            except OSError:
-                raw = b""
-            head = _decode_header(raw)
-            payload = raw[_REC_HEADER.size :]
-            if (
-                head is None
-                or head[0] != h
-                or head[2] != entry.length
-                or len(payload) != entry.length
-                or zlib.crc32(payload) != head[3]
-            ):
-                log.warning(
-                    "disk cache: page %s is damaged: dropped, it will be recomputed", h.hex()
-                )
-                self._drop(entry)
-                self.dropped += 1
-                return None
-            self._clock += 1
-            entry.access_serial = self._clock
-            self._index_dirty = True
-            self.hits += 1
-            self.hit_bytes += entry.length
-            return payload
+            run: list[DiskEntry] = []
+            for h in hashes:
+                entry = self.entries.get(h)
+                if entry is None:
+                    break
+                run.append(entry)
+            i = 0
+            while i < len(run):
+                j = i + 1
+                while (
+                    j < len(run)
+                    and run[j].segment == run[i].segment
+                    and run[j].offset == run[j - 1].offset + run[j - 1].record_bytes
+                    and run[j].offset + run[j].record_bytes - run[i].offset <= _READ_SPAN
+                ):
+                    j += 1
+                start = run[i].offset
+                buf = bytearray(run[j - 1].offset + run[j - 1].record_bytes - start)
+                try:
+                    got = os.preadv(self._fd(run[i].segment), [buf], start)
+                except OSError:
+                    got = 0
+                view = memoryview(buf)[:got]
+                for entry in run[i:j]:
+                    at = entry.offset - start
+                    payload = self._verified(entry, view[at : at + entry.record_bytes])
+                    if payload is None:
+                        return out
+                    out.append(payload)
+                i = j
+        return out
+
+    def _verified(self, entry: DiskEntry, raw: memoryview) -> memoryview | None:
+        """``raw``'s payload when it is ``entry``'s record, whole; else None, with the
+        record dropped (it will be recomputed)."""
+        head = _decode_header(raw[: _REC_HEADER.size])
+        payload = raw[_REC_HEADER.size :]
+        if (
+            head is None
+            or head[0] != entry.hash
+            or head[2] != entry.length
+            or len(payload) != entry.length
+            or zlib.crc32(payload) != head[3]
+        ):
+            log.warning(
+                "disk cache: page %s is damaged: dropped, it will be recomputed", entry.hash.hex()
+            )
+            self._drop(entry)
+            self.dropped += 1
+            return None
+        self._clock += 1
+        entry.access_serial = self._clock
+        self._index_dirty = True
+        self.hits += 1
+        self.hit_bytes += entry.length
+        return payload
 
     def refresh(self) -> None:
         """A reader picks up what the writer appended since (and becomes the writer if

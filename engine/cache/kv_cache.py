@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -147,6 +148,7 @@ class KVCache:
         fingerprint: str,
         settings: CacheSettings,
         calibration: KeyCalibration | None = None,
+        disk_label: dict[str, str] | None = None,
     ):
         self.settings = settings
         self.page_size = settings.page_size
@@ -191,6 +193,7 @@ class KVCache:
                 self.fingerprint,
                 self.storage,
                 settings.disk_bytes,
+                label=disk_label,
             )
             if settings.disk_dir is not None
             else None
@@ -231,6 +234,7 @@ class KVCache:
             loaded.fingerprint,
             settings,
             calibration,
+            {"model": loaded.name, "path": str(Path(loaded.path).resolve())},
         )
 
     def close(self) -> None:

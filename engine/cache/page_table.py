@@ -11,6 +11,7 @@ a method here, and ``validate()`` checks every invariant.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,6 +51,8 @@ class Allocation:
     hit_pages: int = 0  # context pages found in the device pool
     restored_pages: int = 0  # context pages copied back from the host tier
     disk_pages: int = 0  # context pages read back from the disk tier
+    disk_bytes: int = 0  # what they held
+    disk_seconds: float = 0.0  # reading and checking them, copying them into the pool
     partial_rows: int = 0  # rows copied from a sibling page (partial last page)
 
 
@@ -241,6 +244,7 @@ class PageTable:
         if disk is not None and ctx:
             disk.refresh()  # a reader sees what another process wrote since
         disk_chain = disk is not None  # off after the first page the disk cannot give
+        from_disk: dict[bytes, memoryview] | None = None  # read at the first page it has
         for i, h in enumerate(ctx):
             rec = self.referenced.get(h) or self.unreferenced.get(h)
             if rec is not None:
@@ -257,7 +261,9 @@ class PageTable:
                     self.counters.tier_restores += 1
                     self.events.append(CacheEvent(CacheEventKind.RESTORED, rec.index, h, parent))
                 elif disk_chain:
-                    disk_chain = self._restore_from_disk(rec, alloc)
+                    if from_disk is None:
+                        from_disk = self._read_from_disk(ctx[i:], alloc)
+                    disk_chain = self._restore_from_disk(rec, from_disk.pop(h, None), alloc)
             self._add_ref(rec, job_id)
             alloc.block_table.append(rec.index)
             parent = h
@@ -390,17 +396,38 @@ class PageTable:
 
     # -- the disk tier ---------------------------------------------------------------
 
-    def _restore_from_disk(self, rec: PageRecord, alloc: Allocation) -> bool:
-        """Fill the freshly keyed ``rec`` from the disk tier; False when the disk has
-        no good copy (the page, and the rest of the chain, are recomputed)."""
-        assert self.disk_tier is not None and self.storage is not None
-        payload = self.disk_tier.read(rec.hash) if rec.hash in self.disk_tier else None
+    def _read_from_disk(self, hashes: list[bytes], alloc: Allocation) -> dict[bytes, memoryview]:
+        """The disk tier's pages for the rest of a chain, ``hashes[0]`` (just keyed, empty)
+        and those after it no faster tier holds, in one batched read up to the first page
+        the disk cannot give."""
+        assert self.disk_tier is not None
+        start = time.perf_counter()
+        wanted = hashes[:1] + [
+            h
+            for h in hashes[1:]
+            if h not in self.referenced
+            and h not in self.unreferenced
+            and (self.host_tier is None or h not in self.host_tier)
+        ]
+        found = dict(zip(wanted, self.disk_tier.read_chain(wanted)))
+        alloc.disk_seconds += time.perf_counter() - start
+        return found
+
+    def _restore_from_disk(
+        self, rec: PageRecord, payload: memoryview | None, alloc: Allocation
+    ) -> bool:
+        """Fill the freshly keyed ``rec`` with its page read from disk; False when the
+        disk had no good copy (the page, and the rest of the chain, are recomputed)."""
+        assert self.storage is not None
         if payload is None:
             return False
+        start = time.perf_counter()
         self.storage.write_page(rec.index, payload)
         rec.fill = self.page_size
         self._sync(rec)
         alloc.disk_pages += 1
+        alloc.disk_bytes += len(payload)
+        alloc.disk_seconds += time.perf_counter() - start
         self.counters.disk_restores += 1
         self.counters.disk_restored_bytes += len(payload)
         self.events.append(

@@ -217,15 +217,17 @@ class PagedKVStorage:
             for t in self._all_tensors()
         )
 
-    def write_page(self, page: int, data: bytes) -> None:
+    def write_page(self, page: int, data: bytes | memoryview) -> None:
         """Fill a whole page from bytes laid out as `read_page` returns them (the disk
-        tier's records). ValueError when the length is not one page's."""
+        tier's records; a writable memoryview is read in place). ValueError when the
+        length is not one page's."""
         self._check(page)
         tensors = self._all_tensors()
         sizes = [t[page].numel() * t.element_size() for t in tensors]
         if len(data) != sum(sizes):
             raise ValueError(f"{len(data)} bytes for a page of {sum(sizes)} bytes")
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        writable = isinstance(data, memoryview) and not data.readonly
+        buffer = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
         start = 0
         for t, size in zip(tensors, sizes):
             chunk = buffer[start : start + size].view(t.dtype).view(t[page].shape)

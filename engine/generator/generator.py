@@ -655,6 +655,9 @@ class Generator:
         result = JobResult(
             prompt_tokens=len(job.prompt_ids),
             cached_tokens=job.cached_tokens,
+            disk_pages=job.disk_pages,
+            disk_bytes=job.disk_bytes,
+            disk_seconds=job.disk_seconds,
             requeues=job.requeues,
             peak_pages=job.peak_pages,
             error=error,

@@ -236,6 +236,9 @@ class JobResult:
     error: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the cache on admission
+    disk_pages: int = 0  # of their pages, those read back from the disk tier
+    disk_bytes: int = 0
+    disk_seconds: float = 0.0
     new_tokens: int = 0  # over every sample / kept beam
     time_queued: float = 0.0
     time_prefill: float = 0.0  # admission to the first sampled token
@@ -318,6 +321,9 @@ class Job:
     started: float | None = None
     first_token: float | None = None
     cached_tokens: int = 0
+    disk_pages: int = 0  # context pages read back from the disk tier on admission
+    disk_bytes: int = 0
+    disk_seconds: float = 0.0
     prefill_start: int = 0  # tokens cached when this round's prefill began
     requeues: int = 0
     forked: bool = False  # parallel samples / beams created from the first logits

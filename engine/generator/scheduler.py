@@ -126,6 +126,9 @@ class Scheduler:
         if job.started is None:
             job.started = self.clock()
             job.cached_tokens = seq.alloc.cached_tokens
+            job.disk_pages = seq.alloc.disk_pages
+            job.disk_bytes = seq.alloc.disk_bytes
+            job.disk_seconds = seq.alloc.disk_seconds
             events.append(job.prefill_event(EventKind.STARTED))
 
     def _round_tokens(self, job: Job) -> int:

@@ -290,7 +290,7 @@ def _load_gguf(
         config=config,
         model=model,
         weight_mode=weight_mode,
-        fingerprint=_fingerprint(path, config),
+        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}"),
         load_seconds=0.0,
         quant_types=counts,
     )
@@ -478,10 +478,14 @@ def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, dim, 2, -1).transpose(1, 2).reshape(n, -1)
 
 
-def _fingerprint(path: Path, config: ModelConfig) -> str:
+def _fingerprint(path: Path, config: ModelConfig, numerics: str) -> str:
+    """Weights, architecture and how they are computed with (``numerics``: the weight
+    mode and activation dtype, which change K/V in the last bits): pages cached under one
+    fingerprint, on disk too, are only reused under the same."""
     st = path.stat()
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(config).encode())
+    h.update(numerics.encode())
     h.update(f"{path.name}:{st.st_size}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
