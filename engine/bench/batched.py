@@ -326,8 +326,16 @@ def serve_case(
     args: argparse.Namespace,
     caching: bool,
     eviction: str,
+    host_bytes: int = 0,
+    disk_dir: str | None = None,
 ) -> dict:
-    cache = CacheSettings(page_size=PAGE_SIZE, token_budget=args.cache_tokens, eviction=eviction)
+    cache = CacheSettings(
+        page_size=PAGE_SIZE,
+        token_budget=args.cache_tokens,
+        eviction=eviction,
+        host_bytes=host_bytes,
+        disk_dir=disk_dir,
+    )
     gen = _generator(loaded, args.cache_tokens, cache, prefix_caching=caching, max_batch_size=16)
     pending = list(arrivals)
     arrived: dict[int, float] = {}
@@ -359,6 +367,7 @@ def serve_case(
                 done[e.job_id] = now
                 new_tokens[e.job_id] = e.result.new_tokens
     makespan = time.perf_counter() - t0
+    gen.cache.close()  # the disk tier's writer, when there is one
     ttft = [first[j] - arrived[j] for j in arrived]
     tpot = [(done[j] - first[j]) / max(new_tokens[j] - 1, 1) for j in arrived]
     counters = gen.pages.counters
@@ -377,7 +386,34 @@ def serve_case(
             counters.prefix_hit_tokens / max(counters.prefix_query_tokens, 1), 3
         ),
         "evictions": counters.evictions,
+        "host_mb": host_bytes // 2**20,
+        "disk": disk_dir is not None,
+        "tier_restores": counters.tier_restores,
+        "disk_restores": counters.disk_restores,
     }
+
+
+def _serve_tiers(loaded: LoadedModel, arrivals: list[_Arrival], args: argparse.Namespace) -> None:
+    """The same workload with a host tier of ``--host-mb``, then with a disk tier behind
+    it (a fresh store): prompt groups that fit neither the pool nor the host tier are
+    prefilled again without the disk and read back with it."""
+    import tempfile
+
+    host = args.host_mb * 2**20
+    rows = [serve_case(loaded, arrivals, args, True, "tail_first", host)]
+    with tempfile.TemporaryDirectory(prefix="folio-serve-disk-") as store:
+        rows.append(serve_case(loaded, arrivals, args, True, "tail_first", host, store))
+    for row in rows:
+        print(json.dumps(row) if args.json else f"serve {row}", flush=True)
+    without, with_disk = rows
+    summary = {
+        "hit_rate_host_vs_host_disk": [without["prefix_hit_rate"], with_disk["prefix_hit_rate"]],
+        "ttft_median_host_vs_host_disk": [without["ttft_median"], with_disk["ttft_median"]],
+        "throughput_host_disk_vs_host": round(
+            with_disk["output_tokens_per_s"] / without["output_tokens_per_s"], 2
+        ),
+    }
+    print(json.dumps(summary) if args.json else f"tiers {summary}", flush=True)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -431,6 +467,8 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         "hit_rate_tail_first_vs_lru": [on["prefix_hit_rate"], lru["prefix_hit_rate"]],
     }
     print(json.dumps(summary) if args.json else f"ratios {summary}", flush=True)
+    if args.tiers:
+        _serve_tiers(loaded, arrivals, args)
     ttft = ttft_cached_prefix(loaded, args.system_tokens)
     print(
         json.dumps(ttft)

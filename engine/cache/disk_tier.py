@@ -85,6 +85,7 @@ class StoreInfo:
     model_path: str
     bytes: int  # of its files
     in_use: bool  # a process holds its writer lock
+    pages: int | None  # as its index last counted them; None without a readable index
 
 
 def list_stores(location: Path | str) -> list[StoreInfo]:
@@ -100,8 +101,20 @@ def list_stores(location: Path | str) -> list[StoreInfo]:
         except (OSError, ValueError, AttributeError):
             model = model_path = ""
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        out.append(StoreInfo(d, model, model_path, size, _locked(d)))
+        out.append(StoreInfo(d, model, model_path, size, _locked(d), _indexed_pages(d)))
     return out
+
+
+def _indexed_pages(directory: Path) -> int | None:
+    try:
+        with open(directory / "index.bin", "rb") as f:
+            raw = f.read(_IDX_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _IDX_HEADER.size:
+        return None
+    magic, version, *_, entries = _IDX_HEADER.unpack(raw)
+    return entries if (magic, version) == (_IDX_MAGIC, FORMAT_VERSION) else None
 
 
 def _locked(directory: Path) -> bool:

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from engine.cache.kv_cache import DEFAULT_PAGE_SIZE, CacheSettings
+from engine.cli.cache import disk_cache_settings
 from engine.engine import Engine
 from engine.generator.job import EventKind, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
@@ -40,7 +41,8 @@ def run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=_max_new_tokens(loaded, len(prompt_ids), max_new_tokens),
     )
     streamed = False
-    with Engine(loaded, _cache_for(len(prompt_ids), request.max_new_tokens)) as engine:
+    cache = _cache_for(len(prompt_ids), request.max_new_tokens, disk_cache_settings(args))
+    with Engine(loaded, cache) as engine:
         handle = engine.submit(request)
         for event in handle.events():
             if not args.json and event.kind is EventKind.STREAMING and event.text:
@@ -103,6 +105,8 @@ def completion_fields(result: JobResult) -> dict[str, Any]:
         "token_ids": result.token_ids[0] if result.token_ids else [],
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
+        "disk_pages": result.disk_pages,
+        "disk_seconds": round(result.disk_seconds, 4),
         "new_tokens": new_tokens,
         "eos_reason": result.eos_reason,
         "time_prefill": round(prefill, 4),
@@ -121,9 +125,9 @@ def _max_new_tokens(loaded: LoadedModel, prompt_tokens: int, asked: int) -> int:
     return min(asked, max(room, 1))
 
 
-def _cache_for(prompt_tokens: int, max_new_tokens: int) -> CacheSettings:
+def _cache_for(prompt_tokens: int, max_new_tokens: int, disk: dict[str, Any]) -> CacheSettings:
     """A cache of the pages this one job needs, in the app's page size (so the prompt
-    is prefilled in the same chunks as there)."""
+    is prefilled in the same chunks as there, and its pages on disk are the app's)."""
     ps = DEFAULT_PAGE_SIZE
     pages = -(-(prompt_tokens + max_new_tokens) // ps)
-    return CacheSettings(page_size=ps, token_budget=pages * ps)
+    return CacheSettings(page_size=ps, token_budget=pages * ps, **disk)

@@ -70,6 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
+    from engine.cli.cache import add_cache_parser, add_disk_cache_options
+
+    add_disk_cache_options(gen)
 
     chat = sub.add_parser(
         "chat", help="an interactive chat in the terminal (/stats, /reset, /quit)"
@@ -84,6 +87,8 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--seed", type=int)
     _add_cache_options(chat)
+    add_disk_cache_options(chat)
+    add_cache_parser(sub)
 
     from engine.cli.models import add_models_parser
 
@@ -162,6 +167,12 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--new-tokens", type=int, default=32)
     serve.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second")
     serve.add_argument("--cache-tokens", type=int, default=12288)
+    serve.add_argument(
+        "--tiers",
+        action="store_true",
+        help="also run the workload with a host tier of --host-mb, then with a disk tier too",
+    )
+    serve.add_argument("--host-mb", type=int, default=256, help="--tiers: the host tier's size")
     serve.add_argument("--json", action="store_true")
     kvq = bsub.add_parser(
         "kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)"
@@ -186,6 +197,20 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=("llguidance", "xgrammar", "outlines-core"),
         help="default: every one installed",
     )
+    restore = bsub.add_parser(
+        "restore",
+        help="time to first token after a restart: a long chat read back from disk vs prefilled",
+    )
+    restore.add_argument("--model", type=Path, help="a .gguf file (default: SmolLM2-135M)")
+    restore.add_argument(
+        "--shape",
+        choices=("llama-3.2-1b", "qwen2.5-3b", "qwen2-7b", "llama-3.1-8b", "tiny-llama"),
+        help="a random-weight GGUF with this real model's shapes and types instead",
+    )
+    restore.add_argument("--quant", choices=("q4_k_m", "q4_0", "q8_0"), default="q4_k_m")
+    restore.add_argument("--tokens", type=int, default=4000, help="the conversation's length")
+    restore.add_argument("--seed", type=int, default=0)
+    restore.add_argument("--weights", choices=WEIGHT_MODES, default=DEFAULT_WEIGHT_MODE)
     load = bsub.add_parser(
         "load",
         help="300 random jobs from 4 threads, cancels, a small cache: every job must end cleanly",
@@ -237,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
             return run_models(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "cache":
+            from engine.cli.cache import run_cache
+
+            return run_cache(args)
         if args.command == "serve":
             from engine.server.cli import run_serve
 
@@ -270,6 +299,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.grammar import run_grammar_bench
 
         run_grammar_bench(args)
+    elif args.bench_command == "restore":
+        from engine.bench.restore import run_restore_bench
+
+        run_restore_bench(args)
     elif args.bench_command == "load":
         from engine.bench.load import run_load_bench
 
@@ -332,6 +365,7 @@ def _cache_settings(args: argparse.Namespace, loaded):
     """The cache `folio chat` asks for, refused with the sizes when memory cannot hold it
     (allocating it would fail deep in torch, or have the system kill the process)."""
     from engine.cache.kv_cache import CacheSettings
+    from engine.cli.cache import disk_cache_settings
     from engine.hub.fit import free_memory, kv_bytes_per_token
 
     cache = CacheSettings(
@@ -339,6 +373,7 @@ def _cache_settings(args: argparse.Namespace, loaded):
         token_budget=args.cache_tokens,
         k_bits=args.k_bits,
         v_bits=args.v_bits,
+        **disk_cache_settings(args),
     )
     cfg = loaded.config
     tokens = -(-args.cache_tokens // cache.page_size) * cache.page_size

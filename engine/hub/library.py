@@ -68,6 +68,7 @@ class LocalModel:
 class DeleteResult:
     freed_bytes: int
     message: str
+    cache_freed_bytes: int = 0  # of the model's prompt cache on disk, deleted with it
 
 
 def hf_cache_dir() -> Path:
@@ -344,15 +345,22 @@ def delete_model(
     *,
     hf_cache: Path | str | None = None,
 ) -> DeleteResult:
-    """Delete a listed model from disk (an imported one is only removed from the list)."""
+    """Delete a listed model from disk (an imported one is only removed from the list),
+    and its prompt cache on disk (docs/ENGINE.md §10) either way."""
     base = paths.models_dir(models_dir)
     path = model.path
+    cache_freed = _delete_prompt_cache(path)
+    cache_note = (
+        f" and {format_bytes(cache_freed, 'MB')} of its prompt cache" if cache_freed else ""
+    )
     if model.source == "imported":
         with _state_lock:
             imports = [p for p in _read_json(base / IMPORTS_FILE, []) if p != str(path.absolute())]
             _write_json(base / IMPORTS_FILE, imports)
         return DeleteResult(
-            0, f"removed {model.name} from the list; its files were left in {path.parent}"
+            0,
+            f"removed {model.name} from the list{cache_note}; its files were left in {path.parent}",
+            cache_freed,
         )
     if model.source == "hf-cache":
         freed = _delete_from_hf_cache(
@@ -366,7 +374,23 @@ def delete_model(
         usage = _read_json(base / USAGE_FILE, {})
         if usage.pop(str(path.absolute()), None) is not None:
             _write_json(base / USAGE_FILE, usage)
-    return DeleteResult(freed, f"deleted {model.name}: {format_bytes(freed, 'MB')} freed")
+    return DeleteResult(
+        freed,
+        f"deleted {model.name}: {format_bytes(freed, 'MB')} freed{cache_note}",
+        cache_freed,
+    )
+
+
+def _delete_prompt_cache(model_path: Path) -> int:
+    """Bytes freed deleting the disk-tier stores of ``model_path`` (resolved before the
+    model's files go: a Hugging Face snapshot link stops resolving once its blob is gone)."""
+    from engine.cache.disk_tier import delete_stores
+
+    try:
+        freed, _busy = delete_stores(paths.kv_cache_dir(), model_path.resolve())
+    except OSError:
+        return 0  # the cache is rebuilt by prefilling; never a reason to keep the model
+    return freed
 
 
 def _unlink_size(path: Path) -> int:

@@ -64,12 +64,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=GeneratorSettings.max_batch_size,
         help="sequences decoded together (n > 1 takes n)",
     )
+    from engine.cli.cache import add_disk_cache_options
+
+    add_disk_cache_options(serve)
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return serve
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; bad settings raise ValueError naming the option."""
+    from engine.cli.cache import disk_cache_settings
     from engine.engine import Engine
     from engine.model.loader import load_model
     from engine.server.app import serve
@@ -90,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         token_budget=args.cache_tokens,
         k_bits=args.k_bits,
         v_bits=args.v_bits,
+        **disk_cache_settings(args),
     )
     generator = GeneratorSettings(max_batch_size=args.max_batch_size)
     generator.validate(cache.page_size)

@@ -85,3 +85,22 @@ def test_serve_reports_latencies_and_hits(capsys):
         )
     assert "throughput_caching_on_vs_off" in lines[3]
     assert lines[4]["ttft_uncached"] > 0 and lines[4]["ttft_cached"] > 0
+
+
+def test_serve_tiers_run_the_workload_with_and_without_the_disk(capsys):
+    # Which of these arrivals hit depends on timing; that the disk tier keeps what the
+    # host tier cannot is tests/engine/cache/test_disk_restart.py's.
+    argv = ["bench", "serve", "--json", "--requests", "4", "--groups", "2",
+            "--system-tokens", "300", "--new-tokens", "2", "--rate", "100",
+            "--cache-tokens", "1024", "--tiers", "--host-mb", "12"]  # fmt: skip
+    assert main(argv) == 0
+    lines = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    host, disk, summary = lines[4:7]
+    assert (host["host_mb"], host["disk"], disk["disk"]) == (12, False, True)
+    assert host["disk_restores"] == 0 and host["requests"] == disk["requests"] == 4
+    assert summary["hit_rate_host_vs_host_disk"] == [
+        host["prefix_hit_rate"],
+        disk["prefix_hit_rate"],
+    ]

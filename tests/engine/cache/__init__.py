@@ -109,3 +109,25 @@ def assert_prefix_content(table: PageTable, alloc: Allocation, seq: Sequence[int
         got = read_rows(table.storage, page, rows)
         want = expected_rows(seq, logical, rows, ps)
         assert torch.equal(got, want), f"job {alloc.job_id} logical page {logical} content"
+
+
+def kill_after_writing(cut: int) -> None:
+    """For a child process: SIGKILL it once the disk tier has written ``cut`` bytes,
+    partway through a write (the torn record a crash or a power cut leaves)."""
+    import os
+    import signal
+
+    import engine.cache.disk_tier as disk_tier
+
+    real = disk_tier._write_all
+    written = 0
+
+    def cut_short(fd, data):
+        nonlocal written
+        if written + len(data) > cut:
+            real(fd, data[: cut - written])
+            os.kill(os.getpid(), signal.SIGKILL)
+        written += len(data)
+        real(fd, data)
+
+    disk_tier._write_all = cut_short

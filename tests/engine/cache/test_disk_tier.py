@@ -1,4 +1,4 @@
-"""Disk tier (docs/ENGINE.md §5): pages that outlive the process, checked on every read,
+"""Disk tier (docs/ENGINE.md §10): pages that outlive the process, checked on every read,
 a store that heals after torn writes and refuses another model's pages, a byte budget
 kept tail first, one writer at a time, and a tier that turns itself off when it cannot
 write."""
@@ -283,24 +283,12 @@ def test_a_full_disk_turns_the_tier_off_and_nothing_else_fails(tmp_path, monkeyp
 
 _KILLED_WRITER = textwrap.dedent(
     """
-    import os, signal, sys
-    import engine.cache.disk_tier as disk_tier
+    import os, sys
     from tests.engine.cache.test_disk_tier import FP, PS, payload_of, chain_hashes, _tier
-    from tests.engine.cache import make_storage
+    from tests.engine.cache import kill_after_writing, make_storage
 
     location, cut, progress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    written = 0
-    real = disk_tier._write_all
-
-    def cut_short(fd, data):
-        global written
-        if written + len(data) > cut:
-            real(fd, data[: cut - written])
-            os.kill(os.getpid(), signal.SIGKILL)
-        written += len(data)
-        real(fd, data)
-
-    disk_tier._write_all = cut_short
+    kill_after_writing(cut)
     storage = make_storage(1, PS)
     tier = _tier(location, storage)
     log = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -362,3 +350,57 @@ def test_a_writer_killed_mid_write_leaves_every_whole_page_usable(tmp_path, seed
     again = _tier(tmp_path, storage)
     assert nxt in again and again.read(nxt) == payload_of(len(present), storage.bytes_per_page)
     again.close()
+
+
+def _labelled_store(location: Path, model_file: Path, fingerprint: CacheFingerprint) -> Path:
+    storage = make_storage(1, PS)
+    tier = DiskTier(
+        store_dir(location, fingerprint),
+        fingerprint,
+        storage,
+        label={"model": model_file.stem, "path": str(model_file.resolve())},
+    )
+    h = chain_hash(fingerprint.root_digest(), list(range(PS)))
+    assert tier.put(h, None, storage.read_page(0))
+    tier.close()
+    return store_dir(location, fingerprint)
+
+
+def test_deleting_a_model_deletes_its_stores_only(tmp_path, monkeypatch):
+    from engine.hub.library import LocalModel, delete_model
+
+    location = tmp_path / "kv"
+    monkeypatch.setenv("FOLIO_KV_CACHE_DIR", str(location))
+    models = tmp_path / "models"
+    models.mkdir()
+    doomed, kept = models / "doomed.gguf", models / "kept.gguf"
+    for f in (doomed, kept):
+        f.write_bytes(b"GGUF" + bytes(100))
+    # Two stores of the doomed model (two page formats), one of the other.
+    gone = [
+        _labelled_store(location, doomed, CacheFingerprint("doomed", PS)),
+        _labelled_store(location, doomed, CacheFingerprint("doomed", PS, k_bits=8)),
+    ]
+    other = _labelled_store(location, kept, CacheFingerprint("kept", PS))
+    stores = {s.directory: s for s in disk_tier.list_stores(location)}
+    assert set(stores) == {*gone, other}
+    assert all(s.pages == 1 and not s.in_use for s in stores.values())
+
+    model = LocalModel(doomed, "doomed", "gguf", "folio", 104)
+    result = delete_model(model, models)
+    assert result.cache_freed_bytes == sum(stores[d].bytes for d in gone)
+    assert "of its prompt cache" in result.message
+    assert [s.directory for s in disk_tier.list_stores(location)] == [other]
+    assert not doomed.exists() and kept.exists()
+
+
+def test_a_store_in_use_is_not_deleted(tmp_path):
+    model_file = tmp_path / "m.gguf"
+    model_file.write_bytes(b"x")
+    storage = make_storage(1, PS)
+    tier = DiskTier(store_dir(tmp_path, FP), FP, storage, label={"path": str(model_file)})
+    freed, busy = disk_tier.delete_stores(tmp_path, model_file)
+    assert (freed, busy) == (0, 1) and store_dir(tmp_path, FP).exists()
+    tier.close()
+    freed, busy = disk_tier.delete_stores(tmp_path, model_file)
+    assert busy == 0 and freed > 0 and not store_dir(tmp_path, FP).exists()
