@@ -450,6 +450,9 @@ def run_serve_bench(args: argparse.Namespace) -> None:
     loaded = load_model(args.model)
     batched_case(loaded, 64, 4, 2, False)  # warm-up
     arrivals = _workload(loaded, args)
+    if args.tiers:
+        _serve_tiers(loaded, arrivals, args)
+        return
     results = []
     for caching, eviction in ((True, "tail_first"), (False, "tail_first"), (True, "lru")):
         row = serve_case(loaded, arrivals, args, caching, eviction)
@@ -467,8 +470,6 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         "hit_rate_tail_first_vs_lru": [on["prefix_hit_rate"], lru["prefix_hit_rate"]],
     }
     print(json.dumps(summary) if args.json else f"ratios {summary}", flush=True)
-    if args.tiers:
-        _serve_tiers(loaded, arrivals, args)
     ttft = ttft_cached_prefix(loaded, args.system_tokens)
     print(
         json.dumps(ttft)

@@ -23,12 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.cache.kv_cache import DEFAULT_PAGE_SIZE
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _child(model: str, store: str, tokens: int, seed: int, weights: str) -> dict:
+def _child(model: str, store: str, tokens: int, page_size: int, seed: int, weights: str) -> dict:
     from engine.cache.kv_cache import CacheSettings
     from engine.engine import Engine
     from engine.generator.job import JobRequest
@@ -39,9 +37,8 @@ def _child(model: str, store: str, tokens: int, seed: int, weights: str) -> dict
     vocab = loaded.config.vocab_size
     rng = random.Random(seed)
     prompt = [rng.randrange(vocab) for _ in range(tokens)]
-    ps = DEFAULT_PAGE_SIZE
-    budget = -(-(tokens + 8) // ps) * ps
-    settings = CacheSettings(page_size=ps, token_budget=budget, disk_dir=store)
+    budget = -(-(tokens + 8) // page_size) * page_size
+    settings = CacheSettings(page_size=page_size, token_budget=budget, disk_dir=store)
     request = JobRequest(
         prompt=prompt,
         max_new_tokens=1,
@@ -62,9 +59,9 @@ def _child(model: str, store: str, tokens: int, seed: int, weights: str) -> dict
     }
 
 
-def _run_child(model: Path, store: Path, tokens: int, seed: int, weights: str) -> dict:
+def _run_child(args: argparse.Namespace, model: Path, store: Path) -> dict:
     cmd = [sys.executable, "-m", "engine.bench.restore", "--child", str(model), str(store)]
-    cmd += [str(tokens), str(seed), weights]
+    cmd += [str(args.tokens), str(args.page_size), str(args.seed), args.weights]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"bench child failed: {done.stderr.strip()[-2000:]}")
@@ -86,9 +83,11 @@ def run_restore_bench(args: argparse.Namespace) -> dict:
     from engine.bench.shapes import make_shape_gguf
     from engine.model.fetch import ensure_default_model
 
-    if args.tokens < DEFAULT_PAGE_SIZE + 1:
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be at least 1, got {args.page_size}")
+    if args.tokens < args.page_size + 1:
         raise ValueError(
-            f"--tokens must be more than one page ({DEFAULT_PAGE_SIZE}), got {args.tokens}"
+            f"--tokens must be more than one page ({args.page_size}), got {args.tokens}"
         )
     if args.shape:
         model = make_shape_gguf(args.shape, args.quant)
@@ -96,16 +95,16 @@ def run_restore_bench(args: argparse.Namespace) -> dict:
         model = Path(args.model) if args.model is not None else ensure_default_model()
     with tempfile.TemporaryDirectory(prefix="folio-restore-bench-") as tmp:
         store = Path(tmp)
-        recompute = _run_child(model, store, args.tokens, args.seed, args.weights)
-        warm = _run_child(model, store, args.tokens, args.seed, args.weights)
+        recompute = _run_child(args, model, store)
+        warm = _run_child(args, model, store)
         drop_page_cache(store)
-        cold = _run_child(model, store, args.tokens, args.seed, args.weights)
+        cold = _run_child(args, model, store)
         store_bytes = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     out = {
         "bench": "restore",
         "model": model.name,
         "tokens": args.tokens,
-        "page_size": DEFAULT_PAGE_SIZE,
+        "page_size": args.page_size,
         "store_bytes": store_bytes,
         "recompute": recompute,
         "warm": warm,
@@ -121,8 +120,9 @@ def run_restore_bench(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
-        _, _, model, store, tokens, seed, weights = sys.argv
-        print(json.dumps(_child(model, store, int(tokens), int(seed), weights)), flush=True)
+    if len(sys.argv) == 8 and sys.argv[1] == "--child":
+        _, _, model, store, tokens, page_size, seed, weights = sys.argv
+        result = _child(model, store, int(tokens), int(page_size), int(seed), weights)
+        print(json.dumps(result), flush=True)
     else:
         sys.exit("engine.bench.restore: run `folio bench restore`")

@@ -341,9 +341,11 @@ class PageTable:
                 rows += 1
             if rows > best_rows:
                 best, best_rows = cand, rows
-        if best is None:
+        if best_rows < len(want) and self._seed_from_tiers(rec, tokens, first, alloc):
+            best_rows = len(want)
+        elif best is None:
             return
-        if self.storage is not None:
+        elif self.storage is not None:
             self.storage.copy_rows(best.index, rec.index, best_rows)
         rec.fill = best_rows
         if not rec.has_content_hash:
@@ -418,13 +420,49 @@ class PageTable:
     ) -> bool:
         """Fill the freshly keyed ``rec`` with its page read from disk; False when the
         disk had no good copy (the page, and the rest of the chain, are recomputed)."""
-        assert self.storage is not None
         if payload is None:
             return False
+        rec.fill = self.page_size
+        self._fill_from_disk(alloc, rec, payload)
+        self._sync(rec)
+        return True
+
+    def _seed_from_tiers(
+        self, rec: PageRecord, tokens: list[int], first: int, alloc: Allocation
+    ) -> bool:
+        """A prompt that ends on a page boundary (a chat sent again, a reply regenerated
+        after a restart): its last page is whole, so a slower tier may hold it under its
+        content hash. Copied into ``rec`` whole, it gives every row but the last token's,
+        which the prefill writes again; True when a tier had it."""
+        ps = self.page_size
+        if (
+            self.storage is None
+            or first != alloc.num_context_pages
+            or len(tokens) != (first + 1) * ps
+            or (self.host_tier is None and self.disk_tier is None)
+        ):
+            return False
+        page_tokens = np.asarray(tokens[first * ps :], dtype=np.int64)
+        h = chain_hash(self._parent_digest(rec.parent_hash), page_tokens)
+        if h in self.referenced or h in self.unreferenced:
+            return False  # a device sibling; the scan above found what it could give
+        if self.host_tier is not None and h in self.host_tier:
+            self.host_tier.restore(h, self.storage, rec.index)
+            self.counters.tier_restores += 1
+            return True
+        if self.disk_tier is None:
+            return False
+        payload = self._read_from_disk([h], alloc).get(h)
+        if payload is None:
+            return False
+        self._fill_from_disk(alloc, rec, payload)
+        return True
+
+    def _fill_from_disk(self, alloc: Allocation, rec: PageRecord, payload: memoryview) -> None:
+        """Copy a page read from disk into ``rec`` and count it for the job."""
+        assert self.storage is not None
         start = time.perf_counter()
         self.storage.write_page(rec.index, payload)
-        rec.fill = self.page_size
-        self._sync(rec)
         alloc.disk_pages += 1
         alloc.disk_bytes += len(payload)
         alloc.disk_seconds += time.perf_counter() - start
@@ -433,7 +471,6 @@ class PageTable:
         self.events.append(
             CacheEvent(CacheEventKind.DISK_RESTORED, rec.index, rec.hash, rec.parent_hash)
         )
-        return True
 
     def _spill(self, rec: PageRecord) -> None:
         """Queue a full content page for the disk tier (unless it is there already)."""

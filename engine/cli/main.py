@@ -170,7 +170,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tiers",
         action="store_true",
-        help="also run the workload with a host tier of --host-mb, then with a disk tier too",
+        help="instead: the workload with a host tier of --host-mb, then with a disk tier too",
     )
     serve.add_argument("--host-mb", type=int, default=256, help="--tiers: the host tier's size")
     serve.add_argument("--json", action="store_true")
@@ -209,6 +209,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     restore.add_argument("--quant", choices=("q4_k_m", "q4_0", "q8_0"), default="q4_k_m")
     restore.add_argument("--tokens", type=int, default=4000, help="the conversation's length")
+    restore.add_argument(
+        "--page-size",
+        type=int,
+        default=32,
+        help="tokens per page (32, the app's default: the last, partial page is recomputed)",
+    )
     restore.add_argument("--seed", type=int, default=0)
     restore.add_argument("--weights", choices=WEIGHT_MODES, default=DEFAULT_WEIGHT_MODE)
     load = bsub.add_parser(

@@ -97,7 +97,7 @@ def test_serve_tiers_run_the_workload_with_and_without_the_disk(capsys):
     lines = [
         json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
     ]
-    host, disk, summary = lines[4:7]
+    host, disk, summary = lines
     assert (host["host_mb"], host["disk"], disk["disk"]) == (12, False, True)
     assert host["disk_restores"] == 0 and host["requests"] == disk["requests"] == 4
     assert summary["hit_rate_host_vs_host_disk"] == [

@@ -1,5 +1,6 @@
 """`folio bench restore`: three processes on one prompt; the second and third find every
-full page of the first on disk, and answer as it did."""
+page of the first on disk (the prompt ends on a page boundary: all but its last token's
+row), and answer as it did."""
 
 from __future__ import annotations
 
@@ -10,28 +11,29 @@ import sys
 
 from engine.bench import shapes
 from engine.bench.restore import drop_page_cache
-from engine.cache.kv_cache import DEFAULT_PAGE_SIZE
+
+PS = 32
 
 
 def test_restore_bench_reads_back_every_full_page(tmp_path, smollm2_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     folder = tmp_path / "folio" / "bench-shapes"  # engine.paths.cache_dir() under that env
     shapes.make_shape_gguf("tiny-llama", "q8_0", folder, vocab_source=smollm2_path)
-    tokens = 3 * DEFAULT_PAGE_SIZE + 40
+    tokens = 4 * PS
     out = subprocess.run(
         [sys.executable, "-m", "folio", "bench", "restore", "--shape", "tiny-llama",
-         "--quant", "q8_0", "--tokens", str(tokens)],
+         "--quant", "q8_0", "--tokens", str(tokens), "--page-size", str(PS)],
         capture_output=True, text=True, timeout=600, env=env, check=True,
     ).stdout  # fmt: skip
     (record,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     shape = shapes.SHAPES["tiny-llama"]
     # fp32 K and V of every layer for one page of tokens
-    page_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * DEFAULT_PAGE_SIZE
+    page_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * PS
     assert record["recompute"]["cached_tokens"] == 0 and record["recompute"]["disk_pages"] == 0
     for run in ("warm", "cold"):
-        assert record[run]["disk_pages"] == 3
-        assert record[run]["cached_tokens"] == 3 * DEFAULT_PAGE_SIZE
-        assert record[run]["disk_bytes"] == 3 * page_bytes < record["store_bytes"]
+        assert record[run]["disk_pages"] == 4
+        assert record[run]["cached_tokens"] == tokens - 1
+        assert record[run]["disk_bytes"] == 4 * page_bytes < record["store_bytes"]
         assert record[f"speedup_{run}"] > 0 and record[f"restore_gb_s_{run}"] > 0
     assert record["same_first_token"]
 

@@ -115,6 +115,25 @@ def test_a_conversation_is_restored_from_disk_after_a_restart(model_path, tmp_pa
     assert int(restored.argmax()) == int(fresh.argmax())
 
 
+def test_a_prompt_ending_on_a_page_boundary_computes_only_its_last_token(model_path, tmp_path):
+    # Sent again after a restart (a regenerated reply): the prompt's last page is whole,
+    # so every row of it but the last token's comes from its record on disk too.
+    disk = tmp_path / "kv"
+    run_json(_FIRST_PROCESS, str(model_path), str(disk))
+    tokens = conversation(TOKENS)[: (TOKENS // PS) * PS]
+    loaded = load_model(model_path, load_tokenizer=False)
+    restored, cached, disk_pages = _next_logits(loaded, _cache(loaded, disk), tokens)
+    assert disk_pages == len(tokens) // PS and cached == len(tokens) - 1
+    # The fresh prefill computes the same split, the last token alone: one token takes
+    # the small-batch kernels, whose rounding differs from a chunk's by ~1.5e-4 here
+    # with no disk involved, so only the restored K/V can differ.
+    runner = SequenceRunner(loaded, _cache(loaded, None), tokens)
+    runner.step(len(tokens) - 1)
+    fresh = runner.step()
+    assert _relative_error(restored, fresh) < 1e-5
+    assert int(restored.argmax()) == int(fresh.argmax())
+
+
 _KILLED_WRITER = textwrap.dedent(
     """
     import pickle, sys

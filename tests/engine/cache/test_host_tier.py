@@ -81,6 +81,25 @@ def test_evicted_pages_come_back_from_the_tier():
     table.validate()
 
 
+def test_a_prompt_ending_on_a_page_boundary_takes_its_whole_last_page_from_the_tier():
+    table = make_table(6, PS, tier_slots=8)
+    seq = list(range(4 * PS))  # four whole pages: the last one holds the last token
+    job = table.allocate(1, seq, 1)
+    fill(table, job, seq, len(seq))
+    table.release(job)
+    other = list(range(500, 500 + 6 * PS))
+    job = table.allocate(2, other, 0)
+    fill(table, job, other, len(other) - 1)
+    table.release(job)
+    job = table.allocate(3, seq, 0)
+    # Three context pages, and all but the last token's row of the fourth.
+    assert job.restored_pages == 3 and job.partial_rows == PS - 1
+    assert job.cached_tokens == len(seq) - 1
+    assert_prefix_content(table, job, seq)
+    assert table.counters.tier_restores == 4
+    table.validate()
+
+
 def _alarm(_signum, _frame):
     raise TimeoutError("host tier livelock")
 
