@@ -249,7 +249,7 @@ class LibraryTab(QWidget):
             except OSError:
                 freed = 0
             if freed:
-                text += f" and {format_bytes(freed, 'MB')} of its prompt cache in {custom}"
+                text += f"; also {format_bytes(freed, 'MB')} of its prompt cache in {custom}"
         kept = sum(
             st.bytes
             for where in locations

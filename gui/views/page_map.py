@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
-from PySide6.QtGui import QCursor
+from PySide6.QtGui import QCursor, QFontMetrics
 from PySide6.QtWidgets import QToolTip
 
 from engine.cache.page import PageState
@@ -221,6 +221,8 @@ class PageMapView(PlotView):
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
         self.setMouseTracking(True)
+        # Three lines: with the host and disk tiers the figures need one more.
+        self.caption.setFixedHeight(3 * QFontMetrics(self.caption.font()).lineSpacing() + 2)
         self.set_palette(self.palette_)
 
     # -- feeding --------------------------------------------------------------------
@@ -495,14 +497,13 @@ class PageMapView(PlotView):
             held = int(np.count_nonzero(m.state[m.num_pages :] == PageState.HOST))
             text += f" · host tier {held}/{m.host_slots} (below the gap)"
         if m.disk_pages:
-            text += f" · disk tier {m.disk_pages:,} pages"
-            if m.disk_cells < m.disk_pages:
-                text += f" (the newest {m.disk_cells:,} shown)"
-            text += ", at the bottom"
+            shown = "bottom" if m.disk_cells == m.disk_pages else f"newest {m.disk_cells:,} shown"
+            text += f" · disk tier {m.disk_pages:,} ({shown})"
         restored = int(np.count_nonzero(m.restored)) if m.restored is not None else 0
         if restored:
-            text += f" · {restored} read back from disk (corner mark)"
+            text += f" · {restored} read back from disk"
         self.caption.setText(text)
+        self.caption.setToolTip(text)
 
 
 def _hex(prefix: int, digits: int) -> str:

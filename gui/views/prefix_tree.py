@@ -197,7 +197,7 @@ class PrefixTreeView(PlotView):
         text = f"{len(nodes)} pages in {roots} prompt tree(s) · {forks} branch point(s) · "
         text += f"{shared} shared · "
         disk = sum(1 for n in nodes if n.state == PageState.DISK)
-        if self.model.disk_records:
+        if disk:
             text += f"{disk} only on disk"
             if self.model.disk_records > TREE_DISK_CAP:
                 text += f" (of the newest {TREE_DISK_CAP} of {self.model.disk_records:,} records)"
@@ -217,7 +217,12 @@ class PrefixTreeView(PlotView):
                 return 2, n.order
             return 3, n.order
 
-        return sorted(nodes, key=rank)[:_MAX_LABELS]
+        # A chain only on disk has no text to show: its first page says "disk", the rest
+        # are left unlabelled.
+        labelled = [
+            n for n in nodes if n.state != PageState.DISK or n.text or self.model.is_root(n)
+        ]
+        return sorted(labelled, key=rank)[:_MAX_LABELS]
 
     def _update_labels(self, nodes: list[TreeNode]) -> None:
         ranked = self._label_priority(nodes)
