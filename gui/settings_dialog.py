@@ -345,7 +345,9 @@ class SettingsDialog(QDialog):
     def _disk_box(self) -> QGroupBox:
         box = QGroupBox("Prompt cache on disk")
         box.setToolTip(DISK_TIP)
-        form = QFormLayout(box)
+        outer = QVBoxLayout(box)
+        form = QFormLayout()
+        outer.addLayout(form)
         self.disk_on = QCheckBox("Keep finished chats' pages on disk")
         self.disk_on.setToolTip(DISK_TIP)
         form.addRow(self.disk_on)
@@ -376,7 +378,7 @@ class SettingsDialog(QDialog):
         # Below the form, as the weights note: a form row clips a wrapped label.
         self.disk_note = QLabel()
         self.disk_note.setWordWrap(True)
-        form.addRow(self.disk_note)
+        outer.addWidget(self.disk_note)
         return box
 
     def disk_location(self) -> Path:
@@ -411,7 +413,6 @@ class SettingsDialog(QDialog):
         location = self.disk_location()
         self.disk_clear.setEnabled(False)
         self.disk_note.setText(f"Clearing {location}…")
-
         self._disk_worker.run(
             "disk",
             lambda: cleared_text(*self.clear_disk(location)),
