@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[JobEvent], None]
 
+# While the engine is idle and the disk tier's writer is still storing finished chats'
+# pages, a snapshot is published this often, so readers see the tier fill.
+DISK_PUBLISH_S = 0.25
+
 
 @dataclass(frozen=True)
 class JobInfo:
@@ -59,7 +63,7 @@ class JobInfo:
 class EngineSnapshot:
     """What the engine's memory looks like after a step; safe to keep and read anywhere."""
 
-    version: int  # generator steps so far; unchanged means nothing to redraw
+    version: int  # snapshots published so far; unchanged means nothing to redraw
     time: float
     cache: CacheSnapshot
     stats: CacheStats
@@ -142,6 +146,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._snapshot: Published[EngineSnapshot] = Published()
         self._last_publish = 0.0
+        self._publishes = 0
+        self._published_disk_changes = 0  # the disk tier's `changes` the last one showed
         self.loop_error: str = ""
 
     @classmethod
@@ -245,12 +251,20 @@ class Engine:
     def _run(self) -> None:
         gen = self.generator
         while True:
+            disk_moved = False
             with self._cv:
                 while not (self._inbox or self._cancels or self._stopping or not gen.idle):
-                    self._cv.wait()
+                    if not self._disk_unpublished():
+                        self._cv.wait()
+                    elif not self._cv.wait(DISK_PUBLISH_S):
+                        disk_moved = True
+                        break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 stopping = self._stopping
+            if disk_moved and not (inbox or cancels or stopping):
+                self._publish_snapshot()
+                continue
             events: list[JobEvent] = []
             self._jobs_from(inbox)
             for job_id in cancels:
@@ -272,6 +286,11 @@ class Engine:
             now = time.monotonic()
             if gen.idle or now - self._last_publish >= self.snapshot_interval:
                 self._publish_snapshot()
+
+    def _disk_unpublished(self) -> bool:
+        """The disk tier's writer thread is busy, or changed it since the last snapshot."""
+        disk = self.cache.disk
+        return disk is not None and (disk.writing or disk.changes != self._published_disk_changes)
 
     def _jobs_from(
         self, inbox: list[tuple[JobRequest, list[int], frozenset[int], JobHandle]]
@@ -319,6 +338,8 @@ class Engine:
                 prompt_tokens=r.prompt_tokens,
                 cached_tokens=r.cached_tokens,
                 disk_pages=r.disk_pages,
+                disk_bytes=r.disk_bytes,
+                disk_seconds=r.disk_seconds,
                 new_tokens=r.new_tokens,
                 time_prefill=r.time_prefill,
                 time_generate=r.time_generate,
@@ -342,10 +363,13 @@ class Engine:
                 detail=ev.detail,
             )
         snap = pages.snapshot()
+        if snap.disk_records is not None:
+            self._published_disk_changes = snap.disk_records.changes
+        self._publishes += 1
         jobs = [_job_info(job) for job in list(gen.active) + list(gen.pending)]
         host = pages.host_tier
         snapshot = EngineSnapshot(
-            version=gen.steps,
+            version=self._publishes,
             time=time.monotonic(),
             cache=snap,
             stats=cache_stats(snap, self.cache.page_size),

@@ -326,6 +326,12 @@ class EngineBridge(QObject):
             with self._server_lock:
                 self._close_server()
             old.shutdown(30.0)
+            # The old cache has written its pages and let go of the disk store's writer
+            # lock (KVCache.close). With the same model and cache format the new cache
+            # opened that store too, as a reader while the old one held it: it takes
+            # the writer's part over now, before its first step.
+            if engine.cache.disk is not None:
+                engine.cache.disk.refresh()
         engine.add_listener(self._on_engine_event)
         engine.start()
         return engine
@@ -406,6 +412,27 @@ class EngineBridge(QObject):
         self._last_version = snapshot.version
         self.snapshot_ready.emit(snapshot)
         return snapshot
+
+    # -- the prompt cache on disk ---------------------------------------------------
+
+    def clear_disk_cache(self, location: Path | str) -> tuple[int, int]:
+        """Any thread (the settings dialog calls it on a worker). Delete every store of
+        the prompt cache under ``location``: the running engine's own is emptied in place,
+        since its tier holds the store's writer lock; the others are deleted unless
+        another Folio process writes them. Returns (bytes freed, stores left in use), as
+        `engine.cache.disk_tier.delete_stores` does."""
+        from engine.cache.disk_tier import delete_stores
+
+        engine = self.engine
+        disk = engine.cache.disk if engine is not None else None
+        own = (
+            disk is not None
+            and disk.writable
+            and disk.directory.parent.resolve() == Path(location).resolve()
+        )
+        freed = disk.clear() if own else 0
+        more, busy = delete_stores(location)
+        return freed + more, busy - own
 
     # -- the local server -------------------------------------------------------------
 

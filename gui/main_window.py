@@ -47,6 +47,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.cache.disk_tier import DiskTierStats
 from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
@@ -57,6 +58,7 @@ from gui.palette import API_COLOR
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
 from gui.store import Store, StoreError, StoreMode
+from gui.views.page_map_model import disk_pages
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,25 @@ def tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+
+
+def disk_status(disk: DiskTierStats, records: int, location: str) -> tuple[str, str]:
+    """The status bar's words for the prompt cache on disk, and its tooltip. ``records``:
+    its pages as the page map counts them (`disk_pages`), so the two always agree."""
+    pages = f"{records:,} page{'s' if records != 1 else ''}"
+    held = f"{format_bytes(disk.bytes)} of {format_bytes(disk.budget)}"
+    tip = (
+        f"Prompt cache on disk, in {location}: {pages} ({held} for this model)."
+        f" This session wrote {disk.writes:,} and read back {disk.hits:,}."
+    )
+    if disk.status.startswith("off"):
+        return "disk cache off", f"The prompt cache on disk is off: {disk.status[5:]}"
+    if disk.status:
+        return (
+            f"disk cache {pages} (reading only)",
+            f"{tip}\n{disk.status[:1].upper()}{disk.status[1:]}.",
+        )
+    return f"disk cache {pages} · {format_bytes(disk.bytes)}", tip
 
 
 class ElidedLabel(QLabel):
@@ -225,12 +246,20 @@ class MainWindow(QMainWindow):
         self.device_label = QLabel()
         self.cache_label = ElidedLabel()
         self.memory_label = ElidedLabel()
+        self.disk_label = ElidedLabel()  # the prompt cache on disk; hidden without one
+        self.disk_label.setVisible(False)
         self.jobs_label = QLabel()
         self.load_bar = QProgressBar()
         self.load_bar.setMaximumWidth(180)
         self.load_bar.setRange(0, 100)
         self.load_bar.setVisible(False)
-        for w in (self.model_label, self.device_label, self.cache_label, self.memory_label):
+        for w in (
+            self.model_label,
+            self.device_label,
+            self.cache_label,
+            self.memory_label,
+            self.disk_label,
+        ):
             w.setStyleSheet("padding: 0 6px; border-right: 1px solid #c8c8c8;")
             bar.addWidget(w)
         self.jobs_label.setStyleSheet("padding: 0 6px;")
@@ -456,6 +485,14 @@ class MainWindow(QMainWindow):
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
+        disk = snapshot.cache.disk
+        self.disk_label.setVisible(disk is not None)
+        if disk is not None:
+            text, tip = disk_status(
+                disk, disk_pages(snapshot), self.bridge.cache_settings.disk_dir or ""
+            )
+            self.disk_label.setText(text)
+            self.disk_label.setToolTip(tip)
         running = sum(1 for j in snapshot.jobs if j.state != "pending")
         queued = len(snapshot.jobs) - running
         jobs = f"{running} job{'s' if running != 1 else ''} · {queued} queued"
@@ -464,7 +501,9 @@ class MainWindow(QMainWindow):
     # -- settings dialog --------------------------------------------------------------
 
     def open_settings(self) -> None:
-        dialog = SettingsDialog(self.engine_settings, self, self.model_info)
+        dialog = SettingsDialog(
+            self.engine_settings, self, self.model_info, self.bridge.clear_disk_cache
+        )
         if dialog.exec():
             self.apply_settings(dialog.values(), confirm=True)
 

@@ -66,7 +66,9 @@ class ModelManager(QDialog):
 
         self.discover = DiscoverTab(cache_settings)
         self.downloads = DownloadsTab(self.manager)
-        self.library = LibraryTab(self._loaded_path)
+        self.library = LibraryTab(
+            self._loaded_path, prompt_cache_dir=lambda: cache_settings().disk_dir
+        )
         self.tabs = QTabWidget()
         self.tabs.addTab(self.discover, "Discover")
         self.tabs.addTab(self.downloads, "Downloads")

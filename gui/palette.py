@@ -26,7 +26,8 @@ from engine.cache.page import PageState
 from engine.server.tag import ApiTag
 
 # Hues deliberately kept out of the chat colours: blues mean "not owned by any chat"
-# (cached on the device, or pushed to the host tier), vermillion means "evicted next".
+# (cached on the device, pushed to the host tier, kept on disk: sky blue, blue, indigo,
+# darker the further from the device), vermillion means "evicted next".
 OKABE_ITO = {
     "orange": "#E69F00",
     "sky_blue": "#56B4E9",
@@ -48,6 +49,11 @@ CHAT_COLORS: tuple[str, ...] = (
     "#AA4499",  # Tol muted: purple
 )
 
+# The disk tier: Tol's indigo, darker than the host tier's blue and more violet, so the
+# three tiers differ in hue and in greyscale; lifted on the dark background.
+DISK_COLOR = "#332288"
+DISK_COLOR_DARK = "#8F84E8"
+
 # The local server's jobs. Brown: a hue no chat colour and no page state uses, darker
 # than the orange of the first chat so the two differ in greyscale too.
 API_COLOR = "#8C5A2B"
@@ -57,6 +63,7 @@ STATE_NAMES = {
     PageState.REFERENCED: "in use",
     PageState.CACHED: "cached",
     PageState.HOST: "host tier",
+    PageState.DISK: "disk tier",
 }
 
 
@@ -72,6 +79,7 @@ class Palette:
     free: str
     cached: str
     host: str
+    disk: str
     in_use: str  # "referenced by some chat" where one colour must stand for all chats
     evict: str
     shared_mark: str  # the dot on pages with ref count > 1
@@ -88,6 +96,7 @@ class Palette:
             PageState.REFERENCED: self.in_use,
             PageState.CACHED: self.cached,
             PageState.HOST: self.host,
+            PageState.DISK: self.disk,
         }[PageState(state)]
 
 
@@ -100,6 +109,7 @@ LIGHT = Palette(
     free="#E3E5E8",
     cached=OKABE_ITO["sky_blue"],
     host=OKABE_ITO["blue"],
+    disk=DISK_COLOR,
     in_use="#4D5561",
     evict=OKABE_ITO["vermillion"],
     shared_mark="#000000",
@@ -120,6 +130,7 @@ DARK = Palette(
     free="#3A3D43",
     cached=OKABE_ITO["sky_blue"],
     host="#3B8FD9",  # Okabe-Ito blue lifted so it reads on a dark background
+    disk=DISK_COLOR_DARK,
     in_use="#C9CDD3",
     evict="#FF7A1A",  # vermillion lifted for the same reason
     shared_mark="#FFFFFF",

@@ -43,6 +43,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from engine.cache.eviction import eviction_order
 from engine.cache.page import DIGEST_SIZE, CacheFingerprint
 from engine.cache.storage import PagedKVStorage
@@ -54,6 +56,7 @@ DEFAULT_BUDGET_CAP = 4 << 30  # default budget: this, or 10% of the free disk if
 MAX_SEGMENT_BYTES = 256 << 20
 SEGMENT_FRACTION = 16  # segments are about 1/16 of the budget (a handful of files)
 INDEX_INTERVAL_S = 2.0  # the writer rewrites the index at most this often (and at close)
+SNAPSHOT_INTERVAL_S = 0.5  # `snapshot` is rebuilt at most this often
 
 _SEG_MAGIC = b"FOLIOSEG"
 _REC_MAGIC = b"FKVP"
@@ -219,6 +222,18 @@ class DiskTierStats:
     status: str = ""  # "" while on; otherwise why it is off or read-only
 
 
+@dataclass(frozen=True)
+class DiskTierSnapshot:
+    """The store's records as other threads see them, one row each, oldest use first.
+    Prefixes are a hash's first 8 bytes (little-endian), as the page table's snapshot
+    gives them; a root's parent is 0."""
+
+    hash_prefix: np.ndarray  # uint64
+    parent_prefix: np.ndarray  # uint64
+    access_serial: np.ndarray  # int64
+    changes: int = 0  # the tier's `changes` it shows
+
+
 def encode_record(h: bytes, parent: bytes | None, payload: bytes) -> bytes:
     head = _REC_HEADER.pack(
         _REC_MAGIC,
@@ -240,6 +255,11 @@ def _decode_header(raw: bytes) -> tuple[bytes, bytes | None, int, int] | None:
     if magic != _REC_MAGIC or zlib.crc32(raw[: _REC_HEADER.size - _CRC.size]) != crc:
         return None
     return h, (parent if has_parent else None), length, payload_crc
+
+
+def _prefixes(hashes: Iterator[bytes]) -> np.ndarray:
+    """The first 8 bytes of each hash as one little-endian uint64."""
+    return np.frombuffer(b"".join(h[:8] for h in hashes), dtype="<u8").astype(np.uint64)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -291,6 +311,11 @@ class DiskTier:
         self._lock_fd: int | None = None
         self._index_dirty = False
         self._index_written = 0.0
+        # Moves whenever a record comes, goes or is read (its recency): `snapshot` is
+        # rebuilt only then, and the engine publishes a snapshot when it moved.
+        self.changes = 0
+        self._snapshot: DiskTierSnapshot | None = None
+        self._snapshot_at = 0.0
         self.enabled = False
         self.writable = False
         self.status = ""
@@ -356,6 +381,7 @@ class DiskTier:
                 self._add_segment(seg_id, path, scanned.get(seg_id))
             for h in [h for h, e in self.entries.items() if e.segment not in self.segments]:
                 del self.entries[h]  # indexed in a segment that is gone
+                self.changes += 1
             if self.writable:
                 for stale in self.directory.glob("*.tmp"):
                     stale.unlink(missing_ok=True)
@@ -485,10 +511,12 @@ class DiskTier:
         index = old.index if old is not None else next(self._entry_ids)
         self.entries[h] = DiskEntry(index, h, parent, seg, offset, length, serial)
         self._clock = max(self._clock, serial)
+        self.changes += 1
 
     def _drop_segment_entries(self, seg_id: int) -> None:
         for h in [h for h, e in self.entries.items() if e.segment == seg_id]:
             del self.entries[h]
+            self.changes += 1
 
     # -- what the page table asks -----------------------------------------------------
 
@@ -500,6 +528,11 @@ class DiskTier:
 
     def nbytes(self) -> int:
         return sum(s.size for s in self.segments.values())
+
+    @property
+    def writing(self) -> bool:
+        """Pages are queued or being written."""
+        return bool(self._pending)
 
     def put(self, h: bytes, parent: bytes | None, payload: bytes, wait: bool = False) -> bool:
         """Queue a full page for writing. False when the tier cannot take it (off, read
@@ -585,6 +618,7 @@ class DiskTier:
         self._clock += 1
         entry.access_serial = self._clock
         self._index_dirty = True
+        self.changes += 1
         self.hits += 1
         self.hit_bytes += entry.length
         return payload
@@ -756,6 +790,7 @@ class DiskTier:
     def _drop(self, entry: DiskEntry) -> None:
         if self.entries.get(entry.hash) is entry:
             del self.entries[entry.hash]
+            self.changes += 1
             seg = self.segments.get(entry.segment)
             if seg is not None:
                 seg.live -= entry.record_bytes
@@ -843,6 +878,7 @@ class DiskTier:
                 self._forget_segment(seg_id)
                 (self.directory / segment_name(seg_id)).unlink(missing_ok=True)
             self.entries.clear()
+            self.changes += 1
             self._write_index_safely()
         return freed
 
@@ -854,6 +890,7 @@ class DiskTier:
         self.enabled = self.writable = False
         with self._lock:
             self.entries.clear()
+            self.changes += 1
             self._pending.clear()
             self._pending_bytes = 0
 
@@ -874,6 +911,28 @@ class DiskTier:
                 writable=self.writable,
                 status=self.status,
             )
+
+    def snapshot(self) -> DiskTierSnapshot:
+        """Every record's hash, parent and recency. The engine asks at every snapshot
+        it publishes; this is rebuilt only when `changes` moved, and at most every
+        `SNAPSHOT_INTERVAL_S` (0.3 µs a record: 16 ms for 50,000 records), so it may lag
+        the tier by that much: its own `changes` says which state it shows."""
+        with self._lock:
+            old = self._snapshot
+            now = time.monotonic()
+            if old is not None and (
+                old.changes == self.changes or now - self._snapshot_at < SNAPSHOT_INTERVAL_S
+            ):
+                return old
+            entries = sorted(self.entries.values(), key=lambda e: e.access_serial)
+            self._snapshot = DiskTierSnapshot(
+                _prefixes(e.hash for e in entries),
+                _prefixes(e.parent_hash or _NO_PARENT for e in entries),
+                np.fromiter((e.access_serial for e in entries), np.int64, len(entries)),
+                self.changes,
+            )
+            self._snapshot_at = now
+            return self._snapshot
 
     def validate(self) -> None:
         with self._lock:

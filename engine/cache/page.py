@@ -30,6 +30,7 @@ class PageState(IntEnum):
     REFERENCED = 1  # held by at least one live allocation
     CACHED = 2  # unreferenced, holds content (a prompt-cache candidate)
     HOST = 3  # an entry of the host tier
+    DISK = 4  # a record of the disk tier
 
 
 class CacheFullError(ValueError):

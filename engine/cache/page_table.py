@@ -821,6 +821,7 @@ class PageTable:
             host=self.host_tier.snapshot() if self.host_tier is not None else None,
             counters=asdict(self.counters),
             disk=self.disk_tier.stats() if self.disk_tier is not None else None,
+            disk_records=self.disk_tier.snapshot() if self.disk_tier is not None else None,
         )
 
     def stats(self) -> CacheStats:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cache.disk_tier import DiskTierStats
+from engine.cache.disk_tier import DiskTierSnapshot, DiskTierStats
 from engine.cache.host_tier import HostTierSnapshot
 from engine.cache.page import PageState
 
@@ -28,6 +28,7 @@ class CacheSnapshot:
     host: HostTierSnapshot | None
     counters: dict[str, int]
     disk: DiskTierStats | None = None  # the disk tier's figures, when there is one
+    disk_records: DiskTierSnapshot | None = None  # its records (hash, parent, recency)
 
 
 @dataclass(frozen=True)

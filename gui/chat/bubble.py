@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.units import format_bytes
 from gui.chat.markdown import Segment, split_segments
 from gui.palette import LIGHT, Palette
 
@@ -83,14 +84,18 @@ BUBBLE_STYLE = bubble_style(LIGHT)  # the light theme's, for callers that want i
 
 
 def format_figures(stats: dict[str, Any]) -> str:
-    """'27 prompt · 19 cached · 30 new · prefill 0.36 s (22 tok/s) · decode 18 tok/s'."""
+    """'27 prompt · 19 cached · 30 new · prefill 0.36 s (22 tok/s) · decode 18 tok/s'; a
+    reply whose context came back from the disk tier says so: '2,100 cached (63 pages from
+    disk: 92.9 MB in 0.08 s)'."""
     if not stats:
         return ""
-    parts = [
-        f"{stats.get('prompt_tokens', 0)} prompt",
-        f"{stats.get('cached_tokens', 0)} cached",
-        f"{stats.get('new_tokens', 0)} new",
-    ]
+    cached = f"{stats.get('cached_tokens', 0)} cached"
+    if stats.get("disk_pages"):
+        cached += (
+            f" ({stats['disk_pages']} pages from disk: {format_bytes(stats.get('disk_bytes', 0))}"
+            f" in {stats.get('disk_seconds', 0.0):.2f} s)"
+        )
+    parts = [f"{stats.get('prompt_tokens', 0)} prompt", cached, f"{stats.get('new_tokens', 0)} new"]
     if stats.get("time_prefill"):
         parts.append(
             f"prefill {stats['time_prefill']:.2f} s ({stats.get('prefill_tps', 0):.0f} tok/s)"

@@ -117,6 +117,9 @@ def figures_of(result: JobResult, index: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
+        "disk_pages": result.disk_pages,
+        "disk_bytes": result.disk_bytes,
+        "disk_seconds": result.disk_seconds,
         "new_tokens": new,
         "time_prefill": result.time_prefill,
         "time_generate": result.time_generate,

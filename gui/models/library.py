@@ -2,6 +2,10 @@
 
 Listing reads GGUF and safetensors headers of every model (and scans the Hugging Face
 cache), which can take a moment on a slow disk, so it runs on a pool thread.
+
+Deleting a model deletes its prompt cache on disk too: `engine.hub.library.delete_model`
+does at the default location and says how much it freed; where the app keeps the cache
+elsewhere (Engine settings), the model's stores there go as well.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine import paths
+from engine.cache.disk_tier import delete_stores, list_stores
 from engine.hub.errors import HubError
 from engine.hub.library import (
     LocalModel,
@@ -54,9 +60,13 @@ class LibraryTab(QWidget):
         self,
         loaded_path: Callable[[], Path | None] = lambda: None,
         parent: QWidget | None = None,
+        prompt_cache_dir: Callable[[], str | None] = lambda: None,
     ):
+        """``prompt_cache_dir``: where the app keeps the prompt cache on disk (None: off,
+        or the default location)."""
         super().__init__(parent)
         self.loaded_path = loaded_path
+        self.prompt_cache_dir = prompt_cache_dir
         self.models: list[LocalModel] = []
         self.runner = TaskRunner(
             self, max_threads=1, describe_error=plain_error, thread_name="folio-disk"
@@ -215,18 +225,43 @@ class LibraryTab(QWidget):
             answer = QMessageBox.question(self, "Delete model", text)
             if answer != QMessageBox.StandardButton.Yes:
                 return
+        resolved = m.path.resolve()  # before the files go: a Hugging Face link stops resolving
         try:
             result = delete_model(m)
         except (HubError, OSError) as exc:
             set_message(self.message, f"Could not delete {m.name}: {exc}", "error")
             return
-        if m.source == "imported":
-            set_message(self.message, result.message[:1].upper() + result.message[1:] + ".")
-        else:
-            set_message(
-                self.message, f"Deleted {m.name}: {format_bytes(result.freed_bytes)} freed."
-            )
+        text = result.message[:1].upper() + result.message[1:]
+        set_message(self.message, text + self._delete_prompt_cache(resolved) + ".")
         self.refresh()
+
+    def _delete_prompt_cache(self, model_path: Path) -> str:
+        """Delete the model's stores at the app's own prompt-cache location, where that is
+        not the default one `delete_model` cleared; the words to add to its message."""
+        text = ""
+        default = paths.kv_cache_dir()
+        locations = [default]
+        custom = self.prompt_cache_dir()
+        if custom and Path(custom).resolve() != default.resolve():
+            locations.append(Path(custom))
+            try:
+                freed, _busy = delete_stores(custom, model_path)
+            except OSError:
+                freed = 0
+            if freed:
+                text += f"; also {format_bytes(freed, 'MB')} of its prompt cache in {custom}"
+        kept = sum(
+            st.bytes
+            for where in locations
+            for st in list_stores(where)
+            if st.in_use and st.model_path == str(model_path)
+        )
+        if kept:
+            text += (
+                f"; its prompt cache in use ({format_bytes(kept, 'MB')}) stays while the model"
+                " is loaded: Engine settings ▸ Clear disk cache frees it once another model runs"
+            )
+        return text
 
     def reveal_selected(self) -> None:
         m = self.selected_model()

@@ -1,7 +1,9 @@
 """The legend: what every colour and mark of the memory views means, always visible.
 
 It is drawn from the same `Palette` and `ChatColors` as the views, so it cannot
-disagree with them; the chat swatches list the chats that hold pages right now.
+disagree with them; the chat swatches list the chats that hold pages right now, and the
+tiers' swatches say how many pages each holds (`set_counts`, from the snapshot the page
+map draws).
 
 The whole legend is one widget that paints itself. An earlier version was a row of
 labels and swatch widgets, rebuilt (and re-styled with style sheets) whenever a chat
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import QSizePolicy, QToolTip
 
 from gui.palette import Palette, blend, is_api
@@ -38,6 +40,7 @@ class LegendEntry:
     fill: float = 1.0
     dot: bool = False
     frame: bool = False
+    corner: bool = False  # the mark of a page read back from disk
 
 
 def draw_swatch(p: QPainter, x: float, y: float, e: LegendEntry, pal: Palette) -> None:
@@ -50,6 +53,10 @@ def draw_swatch(p: QPainter, x: float, y: float, e: LegendEntry, pal: Palette) -
         p.drawRect(QRectF(x + 1, y + 1, _SWATCH - 2, _SWATCH - 2))
     if e.dot:
         p.fillRect(QRectF(x + 4, y + 4, 4, 4), QColor(pal.shared_mark))
+    if e.corner:
+        p.setPen(Qt.PenStyle.NoPen)
+        p.setBrush(QColor(pal.disk))
+        p.drawPolygon(QPolygonF([QPointF(x, y), QPointF(x + 6, y), QPointF(x, y + 6)]))
 
 
 class LegendBar(ChatColoredView):
@@ -58,6 +65,7 @@ class LegendBar(ChatColoredView):
 
     def _build(self) -> None:
         self._active: list[Any] = []
+        self._counts: dict[str, int] = {}
         self._entries: list[LegendEntry] = []
         self._hit: list[tuple[QRectF, str]] = []  # where each entry was drawn, for tooltips
         self._font = QFont(self.font())
@@ -87,12 +95,30 @@ class LegendBar(ChatColoredView):
             self._active = tags
             self._rebuild()
 
+    def set_counts(self, counts: dict[str, int]) -> None:
+        """Pages per state ("free", "cached", "host tier", "disk tier"); a tier the
+        engine does not have is left out of ``counts`` and shows no number."""
+        if counts != self._counts:
+            self._counts = dict(counts)
+            self._rebuild()
+
+    def _counted(self, word: str) -> str:
+        n = self._counts.get(word)
+        return word if n is None else f"{word} {n:,}"
+
     def _rebuild(self) -> None:
         pal = self.palette_
         out = [
-            LegendEntry("free", pal.free, "an empty page, ready for any job"),
-            LegendEntry("cached", pal.cached, "no job holds it; kept for prefix-cache hits"),
-            LegendEntry("host tier", pal.host, "evicted to host memory, restorable"),
+            LegendEntry(self._counted("free"), pal.free, "an empty page, ready for any job"),
+            LegendEntry(
+                self._counted("cached"), pal.cached, "no job holds it; kept for prefix-cache hits"
+            ),
+            LegendEntry(self._counted("host tier"), pal.host, "evicted to host memory, restorable"),
+            LegendEntry(
+                self._counted("disk tier"),
+                pal.disk,
+                "kept on disk: survives a restart, read back instead of prefilled",
+            ),
         ]
         if self._active:
             for tag in self._active[:_MAX_CHATS]:
@@ -108,6 +134,9 @@ class LegendBar(ChatColoredView):
             LegendEntry(
                 "evicted next", pal.cached, "reused first when pages run out", frame=True
             ),  # fmt: skip
+            LegendEntry(
+                "from disk", pal.cached, "read back from the disk tier a moment ago", corner=True
+            ),
         ]
         if out != self._entries:
             self._entries = out

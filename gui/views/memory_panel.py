@@ -26,7 +26,7 @@ from gui.palette import ChatColors, Palette, os_prefers_dark, palette_for
 from gui.views.graphs import ThroughputGraphs
 from gui.views.legend import LegendBar
 from gui.views.page_map import PageMapView
-from gui.views.page_map_model import chat_key
+from gui.views.page_map_model import chat_key, disk_pages, tier_counts
 from gui.views.prefix_tree import PrefixTreeView
 from gui.views.queue_panel import QueuePanel
 
@@ -179,6 +179,7 @@ class MemoryPanel(QWidget):
                 self.legend.set_active_chats(
                     [chat_key(j.job_id, j.tag) for j in snap.jobs if j.pages > 0]
                 )
+                self.legend.set_counts(tier_counts(snap))
                 self._update_header(snap)
         elif part == "page_map" and snap is not None:
             self.page_map.set_snapshot(snap, self._tokenizer)
@@ -203,6 +204,7 @@ class MemoryPanel(QWidget):
             return
         self._events_since = events[-1]["seq"] + 1
         self.queue.apply_events(events)
+        self.page_map.apply_events(events)
         self._tree_events.extend(events)
 
     def select_chat(self, tag: Any) -> None:
@@ -257,6 +259,8 @@ class MemoryPanel(QWidget):
             f"{s.pages_cached} cached · {s.pages_free} free · "
             f"hit rate {100 * s.prefix_hit_rate:.0f}%"
         )
+        if snap.cache.disk_records is not None:
+            text += f" · {disk_pages(snap):,} on disk"
         if text != self._header_full:
             self._header_full = text
             self.header.setToolTip(text)

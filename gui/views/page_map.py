@@ -11,12 +11,15 @@ What a cell says (the same language as the legend, `gui.palette`):
 - fill: the lower part of the cell is solid in proportion to the rows written, the
   rest is a pale tint of the same colour;
 - a dot in the middle: the page is shared (ref count > 1);
-- a vermillion frame: the page is among the next ones the cache will evict.
+- a vermillion frame: the page is among the next ones the cache will evict;
+- an indigo corner: the page was read back from the disk tier a moment ago.
 
 Host-tier slots, when the engine has a host tier, follow the device pages after a
-blank row. Hover gives the page's details, a click highlights its chain (ancestors and
-continuations) and selects the chat that holds it. The numbers behind the picture are
-`gui.views.page_map_model.PageMapModel` (Qt-free); this module draws them.
+blank row; the disk tier's newest records (at most `disk_cell_cap`, the caption says
+how many the store holds) follow after another. Hover gives the page's details, a click
+highlights its chain (ancestors and continuations) and selects the chat that holds it.
+The numbers behind the picture are `gui.views.page_map_model.PageMapModel` (Qt-free);
+this module draws them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
-from PySide6.QtGui import QCursor
+from PySide6.QtGui import QCursor, QFontMetrics
 from PySide6.QtWidgets import QToolTip
 
 from engine.cache.page import PageState
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 # Cells beyond this many pages get smaller so the image stays near 1024 px wide.
 _MAX_IMAGE_PX = 1024
 _TEXT_CHARS = 240  # decoded text shown in a tooltip
+RESTORED_MARK_S = 60.0  # how long a page read back from disk keeps its mark
 
 
 def grid_columns(cells: int) -> int:
@@ -51,14 +55,15 @@ def grid_columns(cells: int) -> int:
     return max(8, 2 ** math.ceil(math.log2(max(math.sqrt(max(cells, 1)), 1))))
 
 
-# Pixel classes inside a cell: which of the cell's five colours a pixel takes.
-_TINT, _BASE, _DOT, _FRAME, _GAP = range(5)
+# Pixel classes inside a cell: which of the cell's six colours a pixel takes.
+_TINT, _BASE, _DOT, _FRAME, _GAP, _CORNER = range(6)
+_COLORS = 6
 
 
 @functools.lru_cache(maxsize=8)
 def _cell_patterns(cell_px: int) -> np.ndarray:
     """Every look a cell can have, as pixel-class masks: index
-    ``fill_rows * 4 + shared * 2 + evict`` -> (cell_px, cell_px) uint8."""
+    ``fill_rows * 8 + restored * 4 + shared * 2 + evict`` -> (cell_px, cell_px) uint8."""
     inner = cell_px - 1  # one pixel of gap right of and below each cell
     yy = np.arange(cell_px)[:, None]
     xx = np.arange(cell_px)[None, :]
@@ -69,17 +74,39 @@ def _cell_patterns(cell_px: int) -> np.ndarray:
     dot_mask = np.zeros((cell_px, cell_px), bool)
     dot_mask[lo : lo + dot, lo : lo + dot] = True
     frame = ((yy == 0) | (yy == inner - 1) | (xx == 0) | (xx == inner - 1)) & ~gap
-    out = np.empty(((inner + 1) * 4, cell_px, cell_px), np.uint8)
+    corner = (xx + yy < max(2, inner // 2)) & ~gap  # a triangle in the top left
+    out = np.empty(((inner + 1) * 8, cell_px, cell_px), np.uint8)
     for rows in range(inner + 1):
-        for shared in (0, 1):
-            for evict in (0, 1):
-                p = np.where(height < rows, _BASE, _TINT).astype(np.uint8)
-                if evict and inner >= 3:
-                    p[frame] = _FRAME
-                if shared:
-                    p[dot_mask] = _DOT
-                p[gap] = _GAP
-                out[rows * 4 + shared * 2 + evict] = p
+        for restored in (0, 1):
+            for shared in (0, 1):
+                for evict in (0, 1):
+                    p = np.where(height < rows, _BASE, _TINT).astype(np.uint8)
+                    if evict and inner >= 3:
+                        p[frame] = _FRAME
+                    if restored:
+                        p[corner] = _CORNER
+                    if shared:
+                        p[dot_mask] = _DOT
+                    p[gap] = _GAP
+                    out[rows * 8 + restored * 4 + shared * 2 + evict] = p
+    return out
+
+
+def section_rows(model: PageMapModel, cols: int) -> list[tuple[int, int, int]]:
+    """(first cell, cells, first grid row) of the device pages, then of the host tier
+    and of the disk tier where there are any, each set apart by a blank row."""
+    out, row = [], 0
+    for first, count in (
+        (0, model.num_pages),
+        (model.num_pages, model.host_slots),
+        (model.num_pages + model.host_slots, model.disk_cells),
+    ):
+        if first and not count:
+            continue
+        if first:
+            row += 1
+        out.append((first, count, row))
+        row += -(-count // cols)
     return out
 
 
@@ -98,20 +125,19 @@ def render_cells(
 ) -> np.ndarray:
     """The RGBA image (rows*cell_px, cols*cell_px, 4) of the model.
 
-    Each cell gets five colours (tint, base, dot, frame, gap) and one of a few
+    Each cell gets six colours (tint, base, dot, frame, gap, corner) and one of a few
     precomputed pixel patterns; the image is then a single gather, which keeps a
     16,384-page map at a few milliseconds."""
-    n, h = model.num_pages, model.host_slots
-    dev_rows = -(-n // cols)
-    host_rows = -(-h // cols) if h else 0
-    rows = dev_rows + (host_rows + 1 if h else 0)  # a blank row sets the host tier apart
+    sections = section_rows(model, cols)
+    first, count, row = sections[-1]
+    rows = row + -(-count // cols)
     total = rows * cols
-    where = np.arange(n + h)  # grid cell of each model cell
-    if h:
-        where[n:] = (dev_rows + 1) * cols + np.arange(h)
+    where = np.empty(model.cells, np.int64)  # grid cell of each model cell
+    for first, count, row in sections:
+        where[first : first + count] = row * cols + np.arange(count)
 
     bg = np.array(rgba(palette.background), np.float32)
-    state_rgba = np.array([rgba(palette.state_color(s)) for s in range(4)], np.uint8)
+    state_rgba = np.array([rgba(palette.state_color(s)) for s in PageState], np.uint8)
     base = np.empty((total, 4), np.uint8)
     base[:] = bg.astype(np.uint8)
     cell_base = state_rgba[model.state]
@@ -119,7 +145,7 @@ def render_cells(
     if owned.any():
         cell_base[owned] = chat_table[model.chat_slot[owned] % len(chat_table)]
     base[where] = cell_base
-    colors = np.empty((total, 5, 4), np.float32)
+    colors = np.empty((total, _COLORS, 4), np.float32)
     colors[:, _BASE] = base
     # The unwritten part of a page: its colour faded most of the way to the background
     # (free pages are all "unwritten" and keep their own colour).
@@ -130,11 +156,13 @@ def render_cells(
     colors[:, _DOT] = rgba(palette.shared_mark)
     colors[:, _FRAME] = rgba(palette.evict)
     colors[:, _GAP] = rgba(palette.grid_gap)
+    colors[:, _CORNER] = rgba(palette.disk)
     if highlight is not None and highlight.any():
         # Selected pages stay as they are; everything else fades, which reads at any zoom.
         dim = np.ones(total, bool)
         dim[where[highlight]] = False
-        colors[dim, :4] = colors[dim, :4] * 0.3 + bg * 0.7
+        faded = [_TINT, _BASE, _DOT, _FRAME, _CORNER]  # the gaps stay
+        colors[np.ix_(dim, faded)] = colors[np.ix_(dim, faded)] * 0.3 + bg * 0.7
     packed = _pack(np.rint(colors).astype(np.uint8)).ravel()
 
     inner = cell_px - 1
@@ -142,7 +170,9 @@ def render_cells(
     if model.page_size:
         px = np.ceil(model.fill / model.page_size * inner).astype(np.int32)
         fill_rows[where] = np.where(model.fill > 0, np.clip(px, 1, inner), 0)
-    look = fill_rows * 4
+    look = fill_rows * 8
+    if model.restored is not None:
+        look[where[model.restored]] += 4
     look[where[model.ref_count > 1]] += 2
     look[where[(model.evict_rank >= 0) & (model.fill > 0)]] += 1
 
@@ -154,8 +184,8 @@ def render_cells(
 
 @functools.lru_cache(maxsize=4)
 def _cell_offsets(rows: int, cols: int, cell_px: int) -> np.ndarray:
-    """Per pixel, where its cell's five colours start in the packed colour table."""
-    cell = np.arange(rows * cols, dtype=np.int32).reshape(rows, cols) * 5
+    """Per pixel, where its cell's six colours start in the packed colour table."""
+    cell = np.arange(rows * cols, dtype=np.int32).reshape(rows, cols) * _COLORS
     return np.repeat(np.repeat(cell, cell_px, axis=0), cell_px, axis=1)
 
 
@@ -175,6 +205,7 @@ class PageMapView(PlotView):
         self._snapshot: EngineSnapshot | None = None
         self._tokenizer: Any = None
         self._highlight: np.ndarray | None = None
+        self._restored: dict[int, float] = {}  # hash prefix -> when it came back from disk
         self._cols = 8
         self._cell_px = 8
         self._shape: tuple[int, int] | None = None  # (cols, cell_px) of the last layout
@@ -190,6 +221,8 @@ class PageMapView(PlotView):
         scene.sigMouseMoved.connect(self._on_mouse_moved)
         scene.sigMouseClicked.connect(self._on_mouse_clicked)
         self.setMouseTracking(True)
+        # Three lines: with the host and disk tiers the figures need one more.
+        self.caption.setFixedHeight(3 * QFontMetrics(self.caption.font()).lineSpacing() + 2)
         self.set_palette(self.palette_)
 
     # -- feeding --------------------------------------------------------------------
@@ -203,10 +236,20 @@ class PageMapView(PlotView):
         self._snapshot = snapshot
         if same and self.model.num_pages == snapshot.num_pages:
             return  # the engine has not stepped: nothing moved
-        self.model = PageMapModel.from_snapshot(snapshot, self.chats)
+        now = time.monotonic()
+        self._restored = {h: t for h, t in self._restored.items() if now - t < RESTORED_MARK_S}
+        self.model = PageMapModel.from_snapshot(snapshot, self.chats, self._restored.keys())
         if self._highlight is not None and len(self._highlight) != len(self.model.state):
             self._highlight = None
         self._redraw()
+
+    def apply_events(self, events: list[dict[str, Any]]) -> None:
+        """Note the pages read back from the disk tier (the telemetry's page events):
+        they carry a mark for `RESTORED_MARK_S`, from the next snapshot on."""
+        now = time.monotonic()
+        for ev in events:
+            if ev.get("kind") == "page_disk_restored" and ev.get("hash"):
+                self._restored[int.from_bytes(bytes.fromhex(ev["hash"])[:8], "little")] = now
 
     def highlight_pages(self, pages: Iterable[int]) -> None:
         """Fade every page but these (an empty list clears the highlight)."""
@@ -268,29 +311,38 @@ class PageMapView(PlotView):
 
     # -- interaction ---------------------------------------------------------------
 
+    def cell_tier(self, cell: int) -> str:
+        """ "device", "host" or "disk": which part of the map ``cell`` is in."""
+        m = self.model
+        if cell < m.num_pages:
+            return "device"
+        return "host" if cell < m.num_pages + m.host_slots else "disk"
+
     def page_info(self, page: int) -> dict[str, Any]:
         """Everything the tooltip says about a cell, as data."""
         m = self.model
-        host = page >= m.num_pages
+        tier = self.cell_tier(page)
+        start = {"device": 0, "host": m.num_pages, "disk": m.num_pages + m.host_slots}[tier]
+        device_and_host = m.access_serial[: m.num_pages + m.host_slots]  # the disk's own clock
         info: dict[str, Any] = {
-            "page": page if not host else page - m.num_pages,
-            "tier": "host" if host else "device",
+            "page": page - start,
+            "tier": tier,
             "state": STATE_NAMES[PageState(int(m.state[page]))],
-            "hash": f"{int(m.hash_prefix[page]).to_bytes(8, 'little').hex()[:12]}"
-            if m.hash_prefix[page]
-            else "",
+            "hash": _hex(int(m.hash_prefix[page]), 12),
             "ref_count": int(m.ref_count[page]),
             "fill": int(m.fill[page]),
             "page_size": m.page_size,
-            "last_access": int(m.access_serial[page]),
-            "newest_access": int(m.access_serial.max()) if len(m.access_serial) else 0,
+            "last_access": int(m.access_serial[page]) if tier != "disk" else 0,
+            "newest_access": int(device_and_host.max()) if len(device_and_host) else 0,
             "evict_rank": int(m.evict_rank[page]),
-            "parent": -1 if host else int(m.parent[page]),
+            "parent": int(m.parent[page]) if tier == "device" else -1,
+            "disk_parent": _hex(int(m.disk_parent[page - start]), 8) if tier == "disk" else "",
+            "restored": bool(m.restored[page]) if m.restored is not None else False,
             "chats": [self.chat_name(k) for k in self.cell_owners(page)],
             "text": "",
         }
         snap = self._snapshot
-        if not host and snap is not None and self._tokenizer is not None:
+        if tier == "device" and snap is not None and self._tokenizer is not None:
             ids = snap.page_tokens[page][: m.fill[page]] if page < len(snap.page_tokens) else []
             if ids:
                 try:
@@ -301,10 +353,18 @@ class PageMapView(PlotView):
 
     def tooltip_text(self, page: int) -> str:
         i = self.page_info(page)
-        where = "Host slot" if i["tier"] == "host" else "Page"
+        where = {"device": "Page", "host": "Host slot", "disk": "Disk record"}[i["tier"]]
         lines = [f"{where} {i['page']} · {i['state']}"]
         if i["hash"]:
             lines.append(f"hash {i['hash']}…")
+        if i["tier"] == "disk":
+            lines.append(
+                f"parent {i['disk_parent']}…" if i["disk_parent"] else "parent: none (first page)"
+            )
+            lines.append(f"a full page of {i['page_size']} tokens, read back instead of prefilled")
+            return "\n".join(lines)
+        if i["restored"]:
+            lines.append("read back from the disk tier a moment ago")
         if i["parent"] >= 0:
             parent_hash = int(self.model.hash_prefix[i["parent"]])
             ph = parent_hash.to_bytes(8, "little").hex()[:8] if parent_hash else "unhashed"
@@ -342,7 +402,8 @@ class PageMapView(PlotView):
             self.chat_selected.emit(tags[0])
 
     def page_at(self, scene_pos: QPointF) -> int | None:
-        """The cell under a scene position (host slots numbered after device pages)."""
+        """The cell under a scene position (host slots numbered after device pages, disk
+        records after them)."""
         if self._shape is None:
             return None
         p = self.plot.getViewBox().mapSceneToView(scene_pos)
@@ -350,23 +411,20 @@ class PageMapView(PlotView):
         col, row = int(math.floor(p.x() / px)), int(math.floor(p.y() / px))
         if not 0 <= col < cols or row < 0:
             return None
-        n, h = self.model.num_pages, self.model.host_slots
-        dev_rows = -(-n // cols)
-        if row < dev_rows:
-            page = row * cols + col
-            return page if page < n else None
-        slot = (row - dev_rows - 1) * cols + col
-        return n + slot if h and 0 <= slot < h else None
+        for first, count, top in section_rows(self.model, cols):
+            i = (row - top) * cols + col
+            if 0 <= i < count:
+                return first + i
+        return None
 
     def scene_pos_of(self, page: int) -> QPointF:
         """The scene position of a cell's centre (the inverse of `page_at`)."""
         cols, px = self._shape or (self._cols, self._cell_px)
-        n = self.model.num_pages
-        if page < n:
-            row, col = divmod(page, cols)
-        else:
-            r, col = divmod(page - n, cols)
-            row = -(-n // cols) + 1 + r
+        row = col = 0
+        for first, count, top in section_rows(self.model, cols):
+            if first <= page < first + count:
+                r, col = divmod(page - first, cols)
+                row = top + r
         view = QPointF((col + 0.45) * px, (row + 0.45) * px)
         return self.plot.getViewBox().mapViewToScene(view)
 
@@ -405,8 +463,7 @@ class PageMapView(PlotView):
 
     def _redraw(self) -> None:
         m = self.model
-        cells = m.num_pages + m.host_slots
-        if cells == 0:
+        if m.cells == 0:
             self.image.clear()
             self.caption.setText("No model loaded: the cache has no pages yet.")
             return
@@ -439,7 +496,19 @@ class PageMapView(PlotView):
         if m.host_slots:
             held = int(np.count_nonzero(m.state[m.num_pages :] == PageState.HOST))
             text += f" · host tier {held}/{m.host_slots} (below the gap)"
+        if m.disk_pages:
+            shown = "bottom" if m.disk_cells == m.disk_pages else f"newest {m.disk_cells:,} shown"
+            text += f" · disk tier {m.disk_pages:,} ({shown})"
+        restored = int(np.count_nonzero(m.restored)) if m.restored is not None else 0
+        if restored:
+            text += f" · {restored} read back from disk"
         self.caption.setText(text)
+        self.caption.setToolTip(text)
+
+
+def _hex(prefix: int, digits: int) -> str:
+    """A hash prefix as the page events spell hashes ("" for none)."""
+    return prefix.to_bytes(8, "little").hex()[:digits] if prefix else ""
 
 
 def _tag_of(key: Any) -> Any:

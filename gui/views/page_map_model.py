@@ -7,6 +7,7 @@ page's colour follows, for every view that colours pages by chat.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +38,37 @@ def chat_keys(snapshot: EngineSnapshot, owners: tuple[int, ...]) -> tuple[Any, .
     return tuple(keys)
 
 
+def disk_pages(snapshot: EngineSnapshot) -> int:
+    """Records of the disk tier as the snapshot's record list has them (what the page map
+    draws; the tier's figures may run up to half a second ahead of the list)."""
+    records = snapshot.cache.disk_records
+    return 0 if records is None else len(records.hash_prefix)
+
+
+def tier_counts(snapshot: EngineSnapshot) -> dict[str, int]:
+    """Pages per state, keyed by the legend's words; tiers the engine lacks left out."""
+    s = snapshot.stats
+    counts = {"free": s.pages_free, "cached": s.pages_cached}
+    if snapshot.cache.host is not None:
+        counts["host tier"] = s.pages_host
+    if snapshot.cache.disk_records is not None:
+        counts["disk tier"] = disk_pages(snapshot)
+    return counts
+
+
+def disk_cell_cap(num_pages: int) -> int:
+    """Disk-tier records drawn at most: a store holds thousands (4 GB of pages), and one
+    cell each would bury the device pages; as many as the device has, 64 to 4,096."""
+    return max(64, min(num_pages, 4096))
+
+
 @dataclass
 class PageMapModel:
     """The numbers behind the picture, derived from one snapshot (Qt-free arrays).
 
     Device pages are indices 0..num_pages-1; host-tier slots follow as
-    num_pages..num_pages+host_slots-1."""
+    num_pages..num_pages+host_slots-1, then the disk tier's newest records (at most
+    `disk_cell_cap`, oldest of them first) as the last disk_cells cells."""
 
     num_pages: int
     host_slots: int
@@ -57,6 +83,10 @@ class PageMapModel:
     hash_prefix: np.ndarray  # uint64 per cell
     owner_keys: list[tuple[Any, ...]]  # chat keys per device page
     version: int
+    disk_cells: int = 0  # disk-tier records drawn (the newest)
+    disk_pages: int = 0  # records the disk tier holds
+    disk_parent: np.ndarray | None = None  # uint64 parent hash prefix per disk cell, 0: root
+    restored: np.ndarray | None = None  # bool per cell: read back from disk a moment ago
 
     @classmethod
     def empty(cls) -> PageMapModel:
@@ -64,35 +94,58 @@ class PageMapModel:
         return cls(0, 0, 0, z.astype(np.uint8), z, z, z, z, z, z.astype(np.int64),
                    z.astype(np.uint64), [], -1)  # fmt: skip
 
+    @property
+    def cells(self) -> int:
+        return self.num_pages + self.host_slots + self.disk_cells
+
     @classmethod
-    def from_snapshot(cls, snapshot: EngineSnapshot, chats: ChatColors) -> PageMapModel:
+    def from_snapshot(
+        cls, snapshot: EngineSnapshot, chats: ChatColors, restored: Collection[int] = ()
+    ) -> PageMapModel:
+        """``restored``: hash prefixes of pages lately read back from the disk tier (the
+        page events say which), marked where a device page holds one."""
         cache = snapshot.cache
         n = snapshot.num_pages
         host = cache.host
         h = 0 if host is None else len(host.state)
-        state = np.empty(n + h, np.uint8)
+        records = cache.disk_records
+        total_disk = disk_pages(snapshot)
+        d = min(total_disk, disk_cell_cap(n))
+        end = n + h + d
+        state = np.empty(end, np.uint8)
         state[:n] = cache.state
-        ref = np.zeros(n + h, np.int32)
+        ref = np.zeros(end, np.int32)
         ref[:n] = cache.ref_count
-        fill = np.zeros(n + h, np.int32)
+        fill = np.zeros(end, np.int32)
         fill[:n] = cache.fill
-        serial = np.zeros(n + h, np.int64)
+        serial = np.zeros(end, np.int64)
         serial[:n] = cache.access_serial
-        prefix = np.zeros(n + h, np.uint64)
+        prefix = np.zeros(end, np.uint64)
         prefix[:n] = cache.hash_prefix
         if host is not None:
-            state[n:] = host.state
+            state[n : n + h] = host.state
             # A host slot holds a whole page (only full, hashed pages are pushed).
-            fill[n:] = np.where(host.state == PageState.HOST, snapshot.page_size, 0)
-            serial[n:] = host.access_serial
-            prefix[n:] = host.hash_prefix
+            fill[n : n + h] = np.where(host.state == PageState.HOST, snapshot.page_size, 0)
+            serial[n : n + h] = host.access_serial
+            prefix[n : n + h] = host.hash_prefix
+        disk_parent = np.zeros(d, np.uint64)
+        if d:
+            state[n + h :] = PageState.DISK
+            fill[n + h :] = snapshot.page_size  # only full pages go to disk
+            serial[n + h :] = records.access_serial[-d:]
+            prefix[n + h :] = records.hash_prefix[-d:]
+            disk_parent = records.parent_prefix[-d:]
+        mark = np.zeros(end, bool)
+        if restored:
+            wanted = np.fromiter(restored, np.uint64, len(restored))
+            mark[:n] = np.isin(cache.hash_prefix, wanted) & (cache.hash_prefix != 0)
         parent = np.full(n, -1, np.int32)
         if len(cache.edges):
             parent[cache.edges[:, 0]] = cache.edges[:, 1]
 
         # owners are sequence ids: sequence -> job -> tag -> colour slot. Pages of one
         # sequence share one owners tuple, so a memo keeps this loop cheap at 16k pages.
-        slot = np.full(n + h, -1, np.int32)
+        slot = np.full(end, -1, np.int32)
         owner_keys: list[tuple[Any, ...]] = [()] * n
         memo: dict[tuple[int, ...], tuple[tuple[Any, ...], int]] = {}
         for page in np.flatnonzero(cache.ref_count > 0).tolist():
@@ -103,12 +156,13 @@ class PageMapModel:
                 hit = memo[owners] = (keys, chats.index_of(keys[0]) if keys else -1)
             owner_keys[page], slot[page] = hit
 
-        rank = np.full(n + h, -1, np.int32)
+        rank = np.full(end, -1, np.int32)
         if snapshot.eviction_next:
             order = np.asarray(snapshot.eviction_next, np.int64)
             rank[order] = np.arange(len(order), dtype=np.int32)
         return cls(n, h, snapshot.page_size, state, ref, fill, parent, slot, rank, serial,
-                   prefix, owner_keys, snapshot.version)  # fmt: skip
+                   prefix, owner_keys, snapshot.version, d, total_disk, disk_parent,
+                   mark)  # fmt: skip
 
     def children(self) -> dict[int, list[int]]:
         kids: dict[int, list[int]] = {}

@@ -7,7 +7,7 @@ prompt reads as a line and a split as a fork; the drawing is redone in full only
 the shape of the tree changed.
 
 Nodes use the page map's colours: a chat's colour while a job holds the page, sky blue
-when cached, blue in the host tier; shared pages (ref count > 1) are drawn larger with
+when cached, blue in the host tier, indigo on disk; shared pages (ref count > 1) are drawn larger with
 a heavy outline; pages next in line for eviction get a vermillion outline.
 """
 
@@ -25,7 +25,13 @@ from PySide6.QtWidgets import QGraphicsItem, QGraphicsRectItem, QGraphicsSimpleT
 from engine.cache.page import PageState
 from gui.palette import STATE_NAMES, Palette
 from gui.views.base import PlotView
-from gui.views.prefix_tree_model import X_STEP, NodeKey, PrefixTreeModel, TreeNode
+from gui.views.prefix_tree_model import (
+    TREE_DISK_CAP,
+    X_STEP,
+    NodeKey,
+    PrefixTreeModel,
+    TreeNode,
+)
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
@@ -188,10 +194,15 @@ class PrefixTreeView(PlotView):
         shared = sum(1 for n in nodes if n.shared)
         forks = sum(1 for n in nodes if len(n.children) >= 2)
         roots = sum(1 for n in nodes if self.model.is_root(n))
-        self.caption.setText(
-            f"{len(nodes)} pages in {roots} prompt tree(s) · {forks} branch point(s) · "
-            f"{shared} shared · drag to pan, wheel to zoom, click a node to find its pages"
-        )
+        text = f"{len(nodes)} pages in {roots} prompt tree(s) · {forks} branch point(s) · "
+        text += f"{shared} shared · "
+        disk = sum(1 for n in nodes if n.state == PageState.DISK)
+        if disk:
+            text += f"{disk} only on disk"
+            if self.model.disk_records > TREE_DISK_CAP:
+                text += f" (of the newest {TREE_DISK_CAP} of {self.model.disk_records:,} records)"
+            text += " · "
+        self.caption.setText(text + "drag to pan, wheel to zoom, click a node to find its pages")
 
     def _label_priority(self, nodes: list[TreeNode]) -> list[TreeNode]:
         """Which nodes get a text label when there are too many to label all: roots
@@ -206,7 +217,12 @@ class PrefixTreeView(PlotView):
                 return 2, n.order
             return 3, n.order
 
-        return sorted(nodes, key=rank)[:_MAX_LABELS]
+        # A chain only on disk has no text to show: its first page says "disk", the rest
+        # are left unlabelled.
+        labelled = [
+            n for n in nodes if n.state != PageState.DISK or n.text or self.model.is_root(n)
+        ]
+        return sorted(labelled, key=rank)[:_MAX_LABELS]
 
     def _update_labels(self, nodes: list[TreeNode]) -> None:
         ranked = self._label_priority(nodes)
@@ -215,7 +231,7 @@ class PrefixTreeView(PlotView):
         for key in [k for k in self._labels if k not in want]:
             self.plot.removeItem(self._labels.pop(key))
         for key, node in want.items():
-            text = _snippet(node.text) or (f"p{node.page}" if node.page >= 0 else "host")
+            text = _snippet(node.text) or _place(node, short=True)
             item = self._labels.get(key)
             if item is None:
                 item = _Label(text, self.palette_.foreground)
@@ -273,8 +289,7 @@ class PrefixTreeView(PlotView):
         node = self.model.get(data)
         if node is None:
             return ""
-        where = f"page {node.page}" if node.page >= 0 else "host tier"
-        lines = [f"{where} · {STATE_NAMES[PageState(int(node.state))]}"]
+        lines = [f"{_place(node)} · {STATE_NAMES[PageState(int(node.state))]}"]
         if node.key[0] == "h":
             lines.append(f"hash {node.key[1].to_bytes(8, 'little').hex()[:12]}…")
         lines.append(f"ref count {node.ref_count} · fill {node.fill}/{self.model.page_size}")
@@ -284,6 +299,14 @@ class PrefixTreeView(PlotView):
         if node.text:
             lines.append("text: " + node.text[:160].replace("\n", "⏎"))
         return "\n".join(lines)
+
+
+def _place(node: TreeNode, short: bool = False) -> str:
+    """Where a node's page is: its device page, or the tier that alone holds it."""
+    if node.page >= 0:
+        return f"p{node.page}" if short else f"page {node.page}"
+    tier = "disk" if node.state == PageState.DISK else "host"
+    return tier if short else f"{tier} tier"
 
 
 class _Label(QGraphicsRectItem):

@@ -5,9 +5,13 @@ chats that share a system prompt share a chain of pages and split at a branch po
 The layout runs left to right (x = depth, the page's position in the prompt), each
 chain on one row so a long prompt reads as a line and a split as a fork.
 
+Pages that live only in the host tier or on disk are nodes too (no device page); the
+disk tier's are its newest `TREE_DISK_CAP` records, with their parents from the
+snapshot's record list, so a chat kept on disk shows as its chain.
+
 Updates are incremental. `apply_events` follows the engine's cache events (page
-stored, removed, evicted, pushed to / restored from the host tier, moved by defrag,
-cleared) and `set_snapshot` reconciles against a snapshot, touching only the pages
+stored, removed, evicted, pushed to / restored from the host tier, read back from disk,
+moved by defrag, cleared) and `set_snapshot` reconciles against a snapshot, touching only the pages
 whose state, owners, fill or parent changed since the last one (numpy diffs; no
 per-page Python work for pages that did not change). The layout is recomputed only
 when the shape of the tree changed.
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
 NodeKey = tuple[str, int]  # ("h", hash prefix) for hashed pages, ("p", page) otherwise
 
 X_STEP = 1.6  # layout units from one generation to the next: room for a label
+TREE_DISK_CAP = 256  # disk-only nodes drawn at most (the newest records)
 
 
 def hash_key(hex_or_int: str | int) -> NodeKey:
@@ -47,7 +52,7 @@ def hash_key(hex_or_int: str | int) -> NodeKey:
 class TreeNode:
     key: NodeKey
     parent: NodeKey | None
-    page: int  # device page, -1 while the page lives only in the host tier
+    page: int  # device page, -1 while the page lives only in the host or disk tier
     state: int = PageState.CACHED
     ref_count: int = 0
     fill: int = 0
@@ -78,6 +83,9 @@ class PrefixTreeModel:
         self._structure_dirty = True
         self._selected: set[NodeKey] = set()
         self.page_size = 0
+        self.disk_records = 0  # records the disk tier holds (its newest are nodes)
+        self._disk_seen: object = None  # the record list last applied (rebuilt on change)
+        self._disk_nodes: dict[int, int] = {}  # hash prefix -> parent prefix, drawn ones
         self.last_update: dict[str, int] = {}  # what the last update added, removed, touched
 
     # -- reading ----------------------------------------------------------------------
@@ -165,7 +173,7 @@ class PrefixTreeModel:
                 parent = hash_key(ev["parent"]) if ev.get("parent") else None
                 self._put(key, parent, -1, PageState.HOST)
                 added += 1
-            elif kind == "page_restored":
+            elif kind in ("page_restored", "page_disk_restored"):
                 key = hash_key(ev["hash"])
                 parent = hash_key(ev["parent"]) if ev.get("parent") else None
                 removed += self._drop_page(page)
@@ -299,14 +307,16 @@ class PrefixTreeModel:
             node.evict_next = bool(evict[page])
             node.owners = chat_keys(snapshot, cache.owners[page])
             touched += 1
-        # Host-tier entries: keep those the events told us about, add any they missed,
-        # and drop the ones the tier no longer holds.
+        # Host-tier entries and disk records: keep those the events told us about, add
+        # any they missed, and drop the ones neither tier holds any more. A page in both
+        # shows as the host tier's, the faster one.
         host = cache.host
         held = set()
         if host is not None:
             held = {int(h) for h in host.hash_prefix[host.state == PageState.HOST].tolist()}
+        on_disk = self._disk_records(snapshot)
         for key in [k for k, nd in self._nodes.items() if nd.page < 0]:
-            if key[1] not in held:
+            if key[1] not in held and key[1] not in on_disk:
                 del self._nodes[key]
                 self._structure_dirty = True
                 removed += 1
@@ -317,6 +327,15 @@ class PrefixTreeModel:
                 added += 1
             elif node.page < 0:
                 node.state, node.ref_count, node.owners = PageState.HOST, 0, ()
+        for h, parent_h in on_disk.items():
+            node = self._nodes.get(("h", h))
+            if node is None:
+                self._put(("h", h), ("h", parent_h) if parent_h else None, -1, PageState.DISK)
+                node = self._nodes[("h", h)]
+                node.fill = snapshot.page_size
+                added += 1
+            elif node.page < 0 and h not in held:
+                node.state, node.ref_count, node.owners = PageState.DISK, 0, ()
         # Any node whose page the snapshot does not show (a missed event) goes.
         for key in [k for k, nd in self._nodes.items() if nd.page >= 0]:
             nd = self._nodes[key]
@@ -329,6 +348,26 @@ class PrefixTreeModel:
         self.last_update = {"changed_pages": len(pages), "added": added, "removed": removed,
                             "touched": touched, "relayout": int(self._structure_dirty)}  # fmt: skip
         return True
+
+    def _disk_records(self, snapshot: EngineSnapshot) -> dict[int, int]:
+        """The newest disk records (hash prefix -> parent prefix), worked out again only
+        when the snapshot carries a new record list."""
+        records = snapshot.cache.disk_records
+        if records is not self._disk_seen:
+            self._disk_seen = records
+            if records is None:
+                self.disk_records, self._disk_nodes = 0, {}
+            else:
+                self.disk_records = len(records.hash_prefix)
+                newest = slice(-TREE_DISK_CAP, None)
+                self._disk_nodes = dict(
+                    zip(
+                        records.hash_prefix[newest].tolist(),
+                        records.parent_prefix[newest].tolist(),
+                        strict=True,
+                    )
+                )
+        return self._disk_nodes
 
     def _decode(self, snapshot: EngineSnapshot, page: int, fill: int) -> str:
         if self._tokenizer is None or page >= len(snapshot.page_tokens):

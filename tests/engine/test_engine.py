@@ -356,3 +356,39 @@ def test_a_tight_snapshot_poll_waits_for_the_next_publish(tiny):
         assert eng.snapshot().version >= got[1].version  # its last read was long ago: no wait
     finally:
         eng.shutdown()
+
+
+def test_idle_snapshots_follow_the_disk_tier_writes(smollm2_int4, tmp_path, monkeypatch):
+    """Pages of a finished job are written to disk by the tier's own thread after the
+    engine went idle; the engine publishes again until a snapshot shows them all, so a
+    reader never keeps the count from before the writes."""
+    import engine.cache.disk_tier as disk_tier
+
+    write_all = disk_tier._write_all
+
+    def slow_write(fd: int, data: bytes) -> None:  # a slow disk: writes end after the step
+        time.sleep(0.05)
+        write_all(fd, data)
+
+    monkeypatch.setattr(disk_tier, "_write_all", slow_write)
+    eng = Engine(
+        smollm2_int4, CacheSettings(page_size=16, token_budget=1024, disk_dir=str(tmp_path))
+    )
+    with eng:
+        result = eng.generate(_chat("Name a colour.", max_new_tokens=4), timeout=120)
+        eng.cache.disk.flush()
+        written = eng.cache.disk.stats().pages
+        assert written >= (result.prompt_tokens + result.new_tokens - 1) // 16
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            snap = eng.snapshot()
+            if (
+                snap.cache.disk.pages == written
+                and len(snap.cache.disk_records.hash_prefix) == written
+            ):
+                break
+            time.sleep(0.05)
+        assert snap.stats.pages_disk == written and not snap.jobs
+        assert len(snap.cache.disk_records.hash_prefix) == written
+        done = [e for e in eng.telemetry.events() if e["kind"] == "job_done"]
+        assert done[-1]["disk_pages"] == 0 and "disk_bytes" in done[-1]

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
+from engine import paths
+from engine.cache.disk_tier import list_stores
 from engine.cache.kv_cache import CacheSettings
 from engine.hub.downloads import DownloadManager
 from engine.hub.errors import UNREACHABLE
@@ -268,8 +270,54 @@ def test_delete_asks_then_reports_the_freed_bytes(
     monkeypatch.setattr(QMessageBox, "question", answer(QMessageBox.StandardButton.Yes))
     library.delete_button.click()
     assert not path.exists()
-    assert library.message.text() == f"Deleted {path.stem}: {format_bytes(len(model_bytes))} freed."
+    freed = format_bytes(len(model_bytes), "MB")
+    assert library.message.text() == f"Deleted {path.stem}: {freed} freed."
     qtbot.waitUntil(lambda: library.table.rowCount() == 0, timeout=TIMEOUT)
+
+
+def test_deleting_a_model_deletes_its_prompt_cache(qtbot, hub, model_bytes, tmp_path, monkeypatch):
+    """Its stores at the default location (delete_model's, once) and at the app's own
+    location go; another model's stay; the message says how much of each was freed, and
+    that the store the loaded model is writing stays."""
+    from tests.gui.test_disk_cache import disk_store
+
+    custom = tmp_path / "my-kv"
+    dialog = ModelManager(
+        cache_settings=lambda: CacheSettings(page_size=16, disk_dir=str(custom)),
+        manager=DownloadManager(progress_interval_s=0),
+    )
+    qtbot.addWidget(dialog)
+    path = put_model(tmp_path, model_bytes)
+    other = tmp_path / "other.gguf"
+    for location, pages in ((paths.kv_cache_dir(), 8), (custom, 4)):
+        disk_store(location, path, pages).close()
+        disk_store(location, other, 2).close()
+    loaded = disk_store(paths.kv_cache_dir(), path, 1, page_size=32)  # this engine's, in use
+    kept = format_bytes(
+        next(st.bytes for st in list_stores(paths.kv_cache_dir()) if st.in_use), "MB"
+    )
+    mine = {
+        loc: [st for st in list_stores(loc) if st.model == path.stem]
+        for loc in (paths.kv_cache_dir(), custom)
+    }
+    dialog.tabs.setCurrentIndex(MY_MODELS)
+    library = dialog.library
+    qtbot.waitUntil(lambda: library.select_path(path), timeout=TIMEOUT)
+    library.delete_selected(confirm=False)
+    assert not path.exists()
+    default_mb = format_bytes(mine[paths.kv_cache_dir()][0].bytes, "MB")
+    custom_mb = format_bytes(mine[custom][0].bytes, "MB")
+    assert library.message.text() == (
+        f"Deleted {path.stem}: {format_bytes(len(model_bytes), 'MB')} freed and {default_mb} of"
+        f" its prompt cache; also {custom_mb} of its prompt cache in {custom}; its prompt cache"
+        f" in use ({kept}) stays while the model is loaded:"
+        " Engine settings ▸ Clear disk cache frees it once another model runs."
+    )
+    assert [st.model for st in list_stores(custom)] == ["other"]
+    left = list_stores(paths.kv_cache_dir())
+    assert sorted(st.model for st in left) == ["other", path.stem] and loaded.directory.exists()
+    loaded.close()
+    dialog.shutdown()
 
 
 def test_import_shows_validation_errors_and_lists_a_good_model(

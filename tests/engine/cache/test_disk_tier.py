@@ -404,3 +404,23 @@ def test_a_store_in_use_is_not_deleted(tmp_path):
     tier.close()
     freed, busy = disk_tier.delete_stores(tmp_path, model_file)
     assert busy == 0 and freed > 0 and not store_dir(tmp_path, FP).exists()
+
+
+def test_snapshot_lists_the_records_as_chains_and_is_rebuilt_only_on_change(tmp_path, monkeypatch):
+    table = _table(tmp_path)
+    _conversation(table, SEQ)
+    snap = table.snapshot().disk_records
+    device = table.snapshot()
+    full = device.hash_prefix[device.fill == PS]
+    assert sorted(snap.hash_prefix.tolist()) == sorted(full.tolist())
+    # Oldest use first, each page after its parent: the chain reads root to tail.
+    assert snap.parent_prefix[0] == 0
+    assert snap.parent_prefix[1:].tolist() == snap.hash_prefix[:-1].tolist()
+    assert snap.changes == table.disk_tier.changes
+    assert table.disk_tier.snapshot() is snap  # nothing moved: the same object
+    monkeypatch.setattr(disk_tier, "SNAPSHOT_INTERVAL_S", 0.0)
+    other = list(range(1000, 1000 + 2 * PS + 1))
+    _conversation(table, other, job_id=2)
+    grown = table.disk_tier.snapshot()
+    assert len(grown.hash_prefix) == 7 and grown.changes == table.disk_tier.changes
+    table.disk_tier.close()
