@@ -40,6 +40,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ _CRC = struct.Struct("<I")
 _NO_PARENT = bytes(DIGEST_SIZE)
 _SCAN_CHUNK = 1 << 20
 _READ_SPAN = 64 << 20  # the most one read_chain call reads at once
+_MAX_READS_AHEAD = 4  # chains read ahead and not yet taken (each up to its chain's size)
 
 
 def store_dir(location: Path | str, fingerprint: CacheFingerprint) -> Path:
@@ -257,6 +259,21 @@ def _decode_header(raw: bytes) -> tuple[bytes, bytes | None, int, int] | None:
     return h, (parent if has_parent else None), length, payload_crc
 
 
+def _checked(entry: DiskEntry, raw: memoryview) -> memoryview | None:
+    """``raw``'s payload when it is ``entry``'s record, whole and intact; else None."""
+    head = _decode_header(raw[: _REC_HEADER.size])
+    payload = raw[_REC_HEADER.size :]
+    if (
+        head is None
+        or head[0] != entry.hash
+        or head[2] != entry.length
+        or len(payload) != entry.length
+        or zlib.crc32(payload) != head[3]
+    ):
+        return None
+    return payload
+
+
 def _prefixes(hashes: Iterator[bytes]) -> np.ndarray:
     """The first 8 bytes of each hash as one little-endian uint64."""
     return np.frombuffer(b"".join(h[:8] for h in hashes), dtype="<u8").astype(np.uint64)
@@ -300,6 +317,9 @@ class DiskTier:
         self.segments: dict[int, _Segment] = {}
         self._lock = threading.RLock()
         self._fds: dict[int, int] = {}
+        # head hash -> (the chain asked for, its read on the reader thread)
+        self._ahead: dict[bytes, tuple[list[bytes], Future]] = {}
+        self._reader: ThreadPoolExecutor | None = None
         self._active: int | None = None  # segment the writer appends to
         self._ids = 0  # the newest segment's id
         self._entry_ids = itertools.count()
@@ -560,68 +580,120 @@ class DiskTier:
         """The verified payloads of the longest leading run of ``hashes`` the store has
         good copies of (a damaged record is dropped and ends the run). Records that lie
         back to back in a segment, as a chain written in order does, are read with one
-        call into one buffer."""
+        call into one buffer. What a `read_ahead` of the same head has read is taken from
+        it (waiting for it if it still runs)."""
+        if not hashes:
+            return []
+        with self._lock:
+            ahead = self._ahead.pop(hashes[0], None)
+        if ahead is None:
+            return self._read_chain(hashes)
+        asked, pending = ahead
+        by_hash = dict(zip(asked, pending.result()))
+        out: list[memoryview] = []
+        for i, h in enumerate(hashes):
+            payload = by_hash.get(h)
+            if payload is None:
+                return out + self._read_chain(hashes[i:])  # asked for more than was read
+            out.append(payload)
+        return out
+
+    def read_ahead(self, hashes: Sequence[bytes]) -> bool:
+        """Start reading the chain ``hashes`` on the reader thread (ENGINE.md §10: the
+        engine thread steps other jobs meanwhile); True while that read runs, False once
+        it is done (the next `read_chain` of that head takes its pages) or when the store
+        has not even the head."""
+        if not self.enabled or not hashes:
+            return False
+        with self._lock:
+            if hashes[0] not in self.entries and hashes[0] not in self._ahead:
+                return False
+            ahead = self._ahead.get(hashes[0])
+            if ahead is None:
+                while len(self._ahead) >= _MAX_READS_AHEAD:
+                    self._ahead.pop(next(iter(self._ahead)))  # a job that went: its read is dropped
+                if self._reader is None:
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="folio-disk-read")
+                asked = list(hashes)
+                ahead = (asked, self._reader.submit(self._read_chain, asked))
+                self._ahead[hashes[0]] = ahead
+        return not ahead[1].done()
+
+    def _read_chain(self, hashes: Sequence[bytes]) -> list[memoryview]:
+        """read_chain's work. The lock is held only to plan the reads and to settle what
+        they found, not across the reads and checks, so the engine thread is never held
+        up by a read ahead: each read goes through a duplicate of its segment's file
+        descriptor (a compaction that moves records and deletes the segment meanwhile
+        leaves it readable), and a record the writer moved meanwhile is used if its bytes
+        check out, and never dropped for a read that raced the move."""
         out: list[memoryview] = []
         if not self.enabled:
             return out
         with self._lock:
-            run: list[DiskEntry] = []
+            planned: list[tuple[DiskEntry, int, int]] = []
             for h in hashes:
                 entry = self.entries.get(h)
                 if entry is None:
                     break
-                run.append(entry)
+                planned.append((entry, entry.segment, entry.offset))
+            fds = {seg: os.dup(self._fd(seg)) for seg in {seg for _, seg, _ in planned}}
+        try:
             i = 0
-            while i < len(run):
+            while i < len(planned):
+                entry, seg, first = planned[i]
                 j = i + 1
                 while (
-                    j < len(run)
-                    and run[j].segment == run[i].segment
-                    and run[j].offset == run[j - 1].offset + run[j - 1].record_bytes
-                    and run[j].offset + run[j].record_bytes - run[i].offset <= _READ_SPAN
+                    j < len(planned)
+                    and planned[j][1] == seg
+                    and planned[j][2] == planned[j - 1][2] + planned[j - 1][0].record_bytes
+                    and planned[j][2] + planned[j][0].record_bytes - first <= _READ_SPAN
                 ):
                     j += 1
-                start = run[i].offset
-                buf = bytearray(run[j - 1].offset + run[j - 1].record_bytes - start)
+                last_entry, _, last = planned[j - 1]
+                buf = bytearray(last + last_entry.record_bytes - first)
                 try:
-                    got = os.preadv(self._fd(run[i].segment), [buf], start)
+                    got = os.preadv(fds[seg], [buf], first)
                 except OSError:
                     got = 0
                 view = memoryview(buf)[:got]
-                for entry in run[i:j]:
-                    at = entry.offset - start
-                    payload = self._verified(entry, view[at : at + entry.record_bytes])
-                    if payload is None:
+                for entry, _, offset in planned[i:j]:
+                    at = offset - first
+                    payload = _checked(entry, view[at : at + entry.record_bytes])
+                    if not self._settle(entry, seg, offset, payload):
                         return out
+                    assert payload is not None
                     out.append(payload)
                 i = j
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         return out
 
-    def _verified(self, entry: DiskEntry, raw: memoryview) -> memoryview | None:
-        """``raw``'s payload when it is ``entry``'s record, whole; else None, with the
-        record dropped (it will be recomputed)."""
-        head = _decode_header(raw[: _REC_HEADER.size])
-        payload = raw[_REC_HEADER.size :]
-        if (
-            head is None
-            or head[0] != entry.hash
-            or head[2] != entry.length
-            or len(payload) != entry.length
-            or zlib.crc32(payload) != head[3]
-        ):
-            log.warning(
-                "disk cache: page %s is damaged: dropped, it will be recomputed", entry.hash.hex()
-            )
-            self._drop(entry)
-            self.dropped += 1
-            return None
-        self._clock += 1
-        entry.access_serial = self._clock
-        self._index_dirty = True
-        self.changes += 1
-        self.hits += 1
-        self.hit_bytes += entry.length
-        return payload
+    def _settle(self, entry: DiskEntry, seg: int, offset: int, payload: memoryview | None) -> bool:
+        """Count a record read at (``seg``, ``offset``), or drop it when it was damaged
+        there and still lies there; False when the run ends at it."""
+        with self._lock:
+            still_there = self.entries.get(entry.hash) is entry and (
+                entry.segment,
+                entry.offset,
+            ) == (seg, offset)
+            if payload is None:
+                if still_there:
+                    log.warning(
+                        "disk cache: page %s is damaged: dropped, it will be recomputed",
+                        entry.hash.hex(),
+                    )
+                    self._drop(entry)
+                    self.dropped += 1
+                return False
+            if self.entries.get(entry.hash) is entry:
+                self._clock += 1
+                entry.access_serial = self._clock
+                self._index_dirty = True
+                self.changes += 1
+            self.hits += 1
+            self.hit_bytes += entry.length
+            return True
 
     def refresh(self) -> None:
         """A reader picks up what the writer appended since (and becomes the writer if
@@ -854,6 +926,10 @@ class DiskTier:
     def close(self) -> None:
         """Write what is queued and the index; let go of the files and the lock."""
         self.flush()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self._ahead.clear()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()

@@ -398,19 +398,40 @@ class PageTable:
 
     # -- the disk tier ---------------------------------------------------------------
 
+    def read_ahead(self, token_ids: Sequence[int]) -> bool:
+        """§10: True while the disk tier reads, on its reader thread, the pages of this
+        prompt's chain that neither the pool nor the host tier holds; the scheduler
+        lets the job wait and steps the others meanwhile. False when there is nothing
+        to read, or it has been read (the allocation then takes those pages at once)."""
+        disk = self.disk_tier
+        if disk is None or not disk.enabled:
+            return False
+        ctx = self.context_hashes(token_ids)
+        first = next((i for i, h in enumerate(ctx) if not self._in_faster_tier(h)), None)
+        if first is None:
+            return False
+        disk.refresh()
+        return disk.read_ahead(self._disk_wanted(ctx[first:]))
+
+    def _in_faster_tier(self, h: bytes) -> bool:
+        return (
+            h in self.referenced
+            or h in self.unreferenced
+            or (self.host_tier is not None and h in self.host_tier)
+        )
+
+    def _disk_wanted(self, hashes: list[bytes]) -> list[bytes]:
+        """The rest of a chain from its first page no faster tier holds: that page, and
+        those after it that no faster tier holds."""
+        return hashes[:1] + [h for h in hashes[1:] if not self._in_faster_tier(h)]
+
     def _read_from_disk(self, hashes: list[bytes], alloc: Allocation) -> dict[bytes, memoryview]:
         """The disk tier's pages for the rest of a chain, ``hashes[0]`` (just keyed, empty)
         and those after it no faster tier holds, in one batched read up to the first page
         the disk cannot give."""
         assert self.disk_tier is not None
         start = time.perf_counter()
-        wanted = hashes[:1] + [
-            h
-            for h in hashes[1:]
-            if h not in self.referenced
-            and h not in self.unreferenced
-            and (self.host_tier is None or h not in self.host_tier)
-        ]
+        wanted = self._disk_wanted(hashes)
         found = dict(zip(wanted, self.disk_tier.read_chain(wanted)))
         alloc.disk_seconds += time.perf_counter() - start
         return found

@@ -76,6 +76,10 @@ class Scheduler:
                 job.wait_reason = f"batch full: needs {job.width} slot(s), {max(slots, 0)} free"
             elif need > available:
                 job.wait_reason = f"not enough free pages: needs {need}, {max(available, 0)} free"
+            elif self.active and reuse and self.pages.read_ahead(seq.tokens):
+                # Its pages come off the disk on the reader thread while the others step.
+                job.wait_reason = "reading its cached pages from disk"
+                continue
             else:
                 self.pending.remove(job)
                 self._start(job, rq, events)

@@ -21,9 +21,13 @@ from gguf import GGMLQuantizationType as Q
 import engine.cache.disk_tier as disk_tier
 from engine.cache.disk_tier import DiskTier, list_stores, store_dir
 from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.generator.generator import Generator
+from engine.generator.job import JobRequest, JobState
+from engine.generator.sampler import SamplingSettings
 from engine.model.loader import load_model
 from engine.model.runner import SequenceRunner
 from tests.child_process import ROOT, run_json
+from tests.engine.cache.test_disk_tier import _GatedReads
 from tests.engine.tiny_models import make_hf_model, write_gguf
 
 PS = 64
@@ -132,6 +136,52 @@ def test_a_prompt_ending_on_a_page_boundary_computes_only_its_last_token(model_p
     fresh = runner.step()
     assert _relative_error(restored, fresh) < 1e-5
     assert int(restored.argmax()) == int(fresh.argmax())
+
+
+def _greedy(prompt: list[int], new: int) -> JobRequest:
+    return JobRequest(
+        prompt=prompt,
+        max_new_tokens=new,
+        sampling=SamplingSettings(temperature=0),
+        stop_token_ids=(),
+    )
+
+
+def _run_alone(loaded, request: JobRequest) -> list[int]:
+    """The tokens ``request`` gets from a fresh cache with no disk tier."""
+    gen = Generator(loaded, _cache(loaded, None))
+    job = gen.submit(request)
+    while not gen.idle:
+        gen.iterate()
+    return job.sequences[0].generated
+
+
+def test_a_chain_on_disk_is_read_while_the_other_chats_step(model_path, tmp_path, monkeypatch):
+    # Another chat is replying when a long one is reopened: the long chat's pages come
+    # off the disk on the reader thread, the reply goes on meanwhile, and the reopened
+    # chat then answers as it would alone without any cache.
+    disk = tmp_path / "kv"
+    run_json(_FIRST_PROCESS, str(model_path), str(disk))
+    loaded = load_model(model_path, load_tokenizer=False)
+    gen = Generator(loaded, _cache(loaded, disk))
+    other = gen.submit(_greedy(conversation(40, seed=3), 48))
+    while not other.sequences[0].generated:
+        gen.iterate()
+    gate = _GatedReads(monkeypatch)
+    reopened = gen.submit(_greedy(conversation(TOKENS), 4))
+    before = len(other.sequences[0].generated)
+    for _ in range(3):
+        gen.iterate()
+    assert reopened.state is JobState.PENDING and "from disk" in reopened.wait_reason
+    assert len(other.sequences[0].generated) == before + 3
+    gate.open.set()
+    while not gen.idle:
+        gen.iterate()
+    assert gate.calls == 1
+    assert reopened.disk_pages == (TOKENS - 1) // PS
+    gen.cache.close()
+    monkeypatch.undo()
+    assert reopened.sequences[0].generated == _run_alone(loaded, _greedy(conversation(TOKENS), 4))
 
 
 _KILLED_WRITER = textwrap.dedent(

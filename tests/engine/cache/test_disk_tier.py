@@ -424,3 +424,75 @@ def test_snapshot_lists_the_records_as_chains_and_is_rebuilt_only_on_change(tmp_
     grown = table.disk_tier.snapshot()
     assert len(grown.hash_prefix) == 7 and grown.changes == table.disk_tier.changes
     table.disk_tier.close()
+
+
+class _GatedReads:
+    """os.preadv for the disk tier that blocks until ``open`` is set, counting calls."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.open = threading.Event()
+        self.calls = 0
+        real = os.preadv
+
+        def preadv(fd, buffers, offset):
+            self.calls += 1
+            assert self.open.wait(10), "the test never let the read go"
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(disk_tier.os, "preadv", preadv)
+
+
+def test_a_chain_read_ahead_is_taken_by_the_allocation_without_reading_again(tmp_path, monkeypatch):
+    first = _table(tmp_path)
+    _conversation(first, SEQ)
+    first.disk_tier.close()
+    again = _table(tmp_path)
+    gate = _GatedReads(monkeypatch)
+    assert again.read_ahead(SEQ)  # started, and held at the gate
+    # The reads run outside the tier's lock: the engine thread's calls go on meanwhile.
+    assert again.disk_tier._lock.acquire(timeout=5)
+    again.disk_tier._lock.release()
+    assert again.snapshot().disk.pages == 5
+    assert again.read_ahead(SEQ)  # still running: the job keeps waiting
+    gate.open.set()
+    while again.read_ahead(SEQ):
+        pass
+    job = again.allocate(1, SEQ, 0)
+    assert gate.calls == 1  # one batched read, ahead; the allocation read nothing
+    assert job.disk_pages == 5 and job.cached_tokens == 5 * PS
+    assert_prefix_content(again, job, SEQ)
+    again.validate()
+
+
+def test_nothing_is_read_ahead_for_a_chain_the_pool_or_the_disk_lacks(tmp_path):
+    table = _table(tmp_path)
+    assert not table.read_ahead(SEQ)  # an empty store
+    _conversation(table, SEQ)
+    assert not table.read_ahead(SEQ)  # every page still in the pool
+
+
+def test_a_compaction_during_a_read_ahead_neither_breaks_it_nor_drops_records(
+    tmp_path, monkeypatch
+):
+    first = _table(tmp_path)
+    _conversation(first, SEQ)
+    first.disk_tier.close()
+    again = _table(tmp_path)
+    tier = again.disk_tier
+    gate = _GatedReads(monkeypatch)
+    assert again.read_ahead(SEQ)
+    # The writer moves every record to a new segment and deletes the old one while the
+    # read is held: the read goes on through its own descriptor of the deleted file.
+    with tier._lock:
+        (old,) = list(tier.segments.values())
+        tier._active = tier._new_segment().id
+        tier._compact(old)
+    assert not any(p.name == old.name for p in _segments(tmp_path))
+    gate.open.set()
+    job = again.allocate(1, SEQ, 0)
+    assert job.disk_pages == 5
+    assert_prefix_content(again, job, SEQ)
+    assert tier.dropped == 0 and len(tier) == 5
+    again.validate()
