@@ -16,12 +16,14 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.cache.kv_cache import CacheSettings, KVCache
+from engine.cache.page_table import CacheEvent
 from engine.cache.snapshot import CacheSnapshot, CacheStats, cache_stats
 from engine.generator.generator import Generator, GeneratorSettings
 from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobResult, JobState
@@ -142,6 +144,8 @@ class Engine:
         self._cancels: list[int] = []
         self._handles: dict[int, JobHandle] = {}
         self._listeners: list[Listener] = []
+        self._cache_listeners: list[Callable[[list[CacheEvent]], None]] = []
+        self._cache_events: deque[CacheEvent] = deque(maxlen=4096)  # for the next snapshot
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._snapshot: Published[EngineSnapshot] = Published()
@@ -213,6 +217,16 @@ class Engine:
         with self._cv:
             self._listeners.remove(listener)
 
+    def add_cache_listener(self, listener: Callable[[list[CacheEvent]], None]) -> None:
+        """Called on the engine thread after every step with that step's page-table
+        events, in order (the KV-events feed, docs/ENGINE.md §11). It must not block."""
+        with self._cv:
+            self._cache_listeners.append(listener)
+
+    def remove_cache_listener(self, listener: Callable[[list[CacheEvent]], None]) -> None:
+        with self._cv:
+            self._cache_listeners.remove(listener)
+
     def submit(self, request: JobRequest) -> JobHandle:
         """Queue a job. Bad requests raise ValueError here, in the caller's thread, with
         a message that says what to change; nothing is queued then. After `shutdown`
@@ -282,6 +296,7 @@ class Engine:
                 log.error("engine step failed:\n%s", self.loop_error)
                 events.extend(gen.fail_all(f"the engine failed: {exc}"))
                 self._recover()
+            self._drain_cache_events()  # before the jobs' events: a job done has its pages
             self._dispatch(events)
             now = time.monotonic()
             if gen.idle or now - self._last_publish >= self.snapshot_interval:
@@ -348,13 +363,31 @@ class Engine:
             fields["cached_tokens"] = event.prefill_done
         self.telemetry.log(f"job_{event.kind}", **fields)
 
+    def _drain_cache_events(self) -> None:
+        """Hand the page table's new events to the cache listeners, and keep them for
+        the next snapshot's telemetry."""
+        pages = self.cache.pages
+        if not pages.events:
+            return
+        events = list(pages.events)
+        pages.events.clear()
+        self._cache_events.extend(events)
+        with self._cv:
+            listeners = list(self._cache_listeners)
+        for listener in listeners:
+            try:
+                listener(events)
+            except Exception:  # noqa: BLE001 - a listener never stops the engine
+                log.exception("cache listener %r failed", listener)
+
     def _publish_snapshot(self) -> None:
         gen = self.generator
         pages = self.cache.pages
+        self._drain_cache_events()
         # The page table's events move to the telemetry log, where readers on other
         # threads follow them by sequence number (`Telemetry.events(since)`).
-        while pages.events:
-            ev = pages.events.popleft()
+        while self._cache_events:
+            ev = self._cache_events.popleft()
             self.telemetry.log(
                 f"page_{ev.kind}",
                 page=ev.page,

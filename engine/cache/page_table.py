@@ -74,6 +74,7 @@ class CacheEvent:
     hash: bytes | None = None
     parent_hash: bytes | None = None
     detail: int = 0  # target page for DEFRAG_MOVE
+    tokens: tuple[int, ...] = ()  # STORED: the page's tokens (KV events, §11)
 
 
 @dataclass
@@ -579,17 +580,20 @@ class PageTable:
         self._set_parent(rec, parent)
         rec.tokens = list(tokens)
         rec.fill = fill
-        self.events.append(CacheEvent(CacheEventKind.STORED, rec.index, h, parent))
+        self.events.append(
+            CacheEvent(CacheEventKind.STORED, rec.index, h, parent, tokens=tuple(tokens))
+        )
         self._sync(rec)
 
     def _reset_empty(self, rec: PageRecord) -> None:
         had_content = rec.fill > 0 or rec.has_content_hash
+        stored = rec.hash if rec.has_content_hash else None  # announced by a STORED event
         self._set_hash(rec, new_placeholder_hash())
         self._set_parent(rec, None)
         rec.tokens = []
         rec.fill = 0
         if had_content:
-            self.events.append(CacheEvent(CacheEventKind.REMOVED, rec.index))
+            self.events.append(CacheEvent(CacheEventKind.REMOVED, rec.index, stored))
         self._sync(rec)
 
     def _add_ref(self, rec: PageRecord, job_id: int) -> None:
@@ -691,7 +695,9 @@ class PageTable:
             other = None
         if other is None:
             self._set_hash(rec, h, children_follow=True)
-            self.events.append(CacheEvent(CacheEventKind.STORED, rec.index, h, parent))
+            self.events.append(
+                CacheEvent(CacheEventKind.STORED, rec.index, h, parent, tokens=tuple(rec.tokens))
+            )
             return rec.index
         # Switch to the existing page.
         self._add_ref(other, alloc.job_id)

@@ -146,6 +146,10 @@ class PagedKVStorage:
 
     # -- copies --------------------------------------------------------------------
 
+    @property
+    def device(self) -> torch.device:
+        return self._all_tensors()[0].device
+
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.k + self.v for _, t in sorted(layer.items())]
 

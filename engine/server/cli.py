@@ -67,6 +67,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     from engine.cli.cache import add_disk_cache_options
 
     add_disk_cache_options(serve)
+    serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV-cache events over ZMQ in vLLM's format, e.g. tcp://127.0.0.1:5557",
+    )
+    serve.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        help="--kv-events: a ROUTER socket that replays missed batches, e.g. tcp://127.0.0.1:5558",
+    )
+    serve.add_argument("--kv-events-topic", default="", help="--kv-events: the ZMQ topic")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return serve
 
@@ -114,7 +125,18 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if args.kv_events_replay and not args.kv_events:
+        raise ValueError("--kv-events-replay needs --kv-events")
+    publisher = None
     with Engine(loaded, cache, generator) as engine:
+        if args.kv_events:
+            from engine.server.kv_events import publish_engine_events, warn_if_exposed
+
+            publisher = publish_engine_events(
+                engine, args.kv_events, args.kv_events_replay, args.kv_events_topic
+            )
+            warn_if_exposed(args.kv_events)
+            print(f"KV-cache events on {publisher.endpoint}", flush=True)
         try:
             serve(
                 engine,
@@ -129,4 +151,6 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         except KeyboardInterrupt:
             pass
+    if publisher is not None:
+        publisher.close()
     return 0
