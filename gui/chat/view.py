@@ -261,6 +261,8 @@ class ChatView(QWidget):
         self._pinned_dark = dark
         self.dark = palette_for(dark).dark
         self.setStyleSheet(bubble_style(palette_for(dark)))
+        if self.conversation_id is not None:
+            self.reload()  # code colours are rendered into the bubbles' text
 
     def _on_os_scheme(self, *_: Any) -> None:
         if self._pinned_dark is None:
@@ -325,7 +327,7 @@ class ChatView(QWidget):
         for stored in path:
             msg = self.controller.shown(stored)
             versions = [m.id for m in self.store.siblings(msg)]
-            bubble = MessageBubble(msg.id, msg.role, versions)
+            bubble = MessageBubble(msg.id, msg.role, versions, dark=self.dark)
             bubble.edit_submitted.connect(self._edit)
             bubble.regenerate_requested.connect(self._regenerate)
             bubble.version_requested.connect(self.controller.switch_version)
