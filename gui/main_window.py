@@ -52,6 +52,7 @@ from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
 from gui.chat.controller import ChatController
+from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
 from gui.palette import API_COLOR
@@ -184,6 +185,7 @@ class MainWindow(QMainWindow):
 
         self.chats = ConversationList()
         self.chat_view = ChatView(store, self.controller)
+        self.chat_view.settings.use_presets(PresetStore(settings))
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.addWidget(self.chats)
         self.splitter.addWidget(self.chat_view)

@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from gui.chat.bubble import MessageBubble, bubble_style, notice_bubble
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
+from gui.chat.presets import PresetPicker, PresetStore
 from gui.palette import palette_for
 from gui.store import Store, StoreError
 
@@ -79,6 +80,7 @@ class ConversationSettings(QFrame):
         self.system_prompt.setPlaceholderText("Instructions the model sees before the chat")
         self.system_prompt.setMaximumHeight(70)
         form.addRow("System prompt", self.system_prompt)
+        self._add_preset_row(form)
         row = QHBoxLayout()
         self.temperature = _spin(0.0, 2.0, 0.05, 2, "Temperature (0 = greedy)")
         self.top_p = _spin(0.05, 1.0, 0.05, 2, "Top-p (1 = off)")
@@ -113,6 +115,20 @@ class ConversationSettings(QFrame):
         self.seed.textChanged.connect(self._emit)
         self.system_prompt.textChanged.connect(self._emit)
         self._loading = False
+
+    def _add_preset_row(self, form: QFormLayout) -> None:
+        """The preset picker under the system prompt: picking one fills the prompt (and
+        so saves it with the chat); editing the prompt moves the picker to "Custom"."""
+        self.presets = PresetPicker(self.system_prompt.toPlainText)
+        self.presets.chosen.connect(self.system_prompt.setPlainText)
+        self.system_prompt.textChanged.connect(
+            lambda: self.presets.show_prompt(self.system_prompt.toPlainText())
+        )
+        form.addRow("Preset", self.presets)
+
+    def use_presets(self, store: PresetStore) -> None:
+        """Keep the user's presets in ``store`` (the app's settings)."""
+        self.presets.use_store(store)
 
     def _set_open(self, open_: bool) -> None:
         self.panel.setVisible(open_)
