@@ -125,3 +125,30 @@ def test_the_chat_menu_exports_and_shows_a_failure(qtbot, tmp_path):
     assert "that folder does not exist" in window.error_dialog.text()
     window.close()
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("typed", "chosen", "expected"),
+    [
+        ("notes/chat", "JSON (*.json)", "notes/chat.json"),
+        ("notes/chat", "Markdown (*.md)", "notes/chat.md"),
+        ("notes/chat.json", "Markdown (*.md)", "notes/chat.json"),  # the name the user typed
+        ("", "Markdown (*.md)", None),  # cancelled
+    ],
+)
+def test_the_dialog_adds_the_chosen_extension(monkeypatch, tmp_path, typed, chosen, expected):
+    from PySide6.QtWidgets import QFileDialog
+
+    from gui.chat.export import ask_export_path
+
+    asked = {}
+
+    def fake_dialog(parent, caption, start, filters):
+        asked.update(start=start, filters=filters)
+        return (str(tmp_path / typed) if typed else "", chosen)
+
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", fake_dialog)
+    path = ask_export_path(None, "Lists: tables/rows?")
+    assert path == (tmp_path / expected if expected else None)
+    assert Path(asked["start"]).name == "Lists_ tables_rows_.md"
+    assert asked["filters"] == "Markdown (*.md);;JSON (*.json)"

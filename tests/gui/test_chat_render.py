@@ -172,3 +172,27 @@ def test_dark_bubbles_highlight_in_dark_colours(qtbot):
     theme = render_theme(True)
     for colour in re.findall(r"color: (#[0-9A-Fa-f]{3,6})", dark):
         assert contrast(colour, theme.code_background) >= 4.5
+
+
+def test_switching_the_theme_redraws_the_code_colours(qtbot, tmp_path):
+    from gui.chat.controller import ChatController
+    from gui.chat.view import ChatView
+    from gui.store import Store
+    from tests.gui.test_chat import FakeBridge
+
+    store = Store(tmp_path / "chats.sqlite3")
+    conv = store.create_conversation()
+    store.add_message(conv.id, None, "assistant", f"```python\n{PYTHON}```")
+    view = ChatView(store, ChatController(store, FakeBridge()))
+    qtbot.addWidget(view)
+    view.set_dark(False)
+    view.show_conversation(conv.id)
+
+    def shown() -> str:
+        (bubble,) = view.bubbles.values()
+        return code_blocks(bubble)[0].code.text()
+
+    assert shown() == highlight(PYTHON.rstrip("\n"), "python", render_theme(False)).html
+    view.set_dark(True)
+    assert shown() == highlight(PYTHON.rstrip("\n"), "python", render_theme(True)).html
+    store.close()
