@@ -52,6 +52,8 @@ from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
 from gui.chat.controller import ChatController
+from gui.chat.export import ExportError, ask_export_path, export_chat
+from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
 from gui.palette import API_COLOR
@@ -184,6 +186,7 @@ class MainWindow(QMainWindow):
 
         self.chats = ConversationList()
         self.chat_view = ChatView(store, self.controller)
+        self.chat_view.settings.use_presets(PresetStore(settings))
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.addWidget(self.chats)
         self.splitter.addWidget(self.chat_view)
@@ -319,7 +322,10 @@ class MainWindow(QMainWindow):
         rename.triggered.connect(lambda: self.rename_conversation())
         delete = QAction("&Delete", self)
         delete.triggered.connect(lambda: self.delete_conversation())
-        for action in (self.stop_action, rename, delete):
+        export = QAction("&Export chat…", self)
+        export.setToolTip("Save this chat as Markdown or JSON")
+        export.triggered.connect(lambda: self.export_chat())
+        for action in (self.stop_action, rename, delete, export):
             chat_menu.addAction(action)
         view_menu = menu.addMenu("&View")
         view_menu.addAction(self.memory_dock.toggleViewAction())
@@ -722,6 +728,21 @@ class MainWindow(QMainWindow):
         self.refresh_conversations()
         if self.chats.list.count():
             self.chats.list.setCurrentRow(0)
+
+    def export_chat(self, path: Path | None = None) -> None:
+        """Chat > Export chat…: the current chat to a file (asked for when not given)."""
+        cid = self.chat_view.conversation_id
+        if cid is None:
+            return
+        path = path or ask_export_path(self, self.store.conversation(cid).title)
+        if path is None:
+            return
+        try:
+            export_chat(self.store, cid, self.model_info.name if self.model_info else None, path)
+        except ExportError as exc:
+            self.show_error("Could not export the chat", str(exc))
+            return
+        self.statusBar().showMessage(f"Exported the chat to {path}", 10_000)
 
     def _conversation_menu(self, pos: Any) -> None:
         item = self.chats.list.itemAt(pos)

@@ -168,15 +168,26 @@ def blend(a: str, b: str, t: float) -> str:
     return QColor(*mix).name()
 
 
-def label_color_on(hex_color: str) -> str:
-    """Black or white, whichever reads on ``hex_color`` (WCAG relative luminance)."""
+def luminance(hex_color: str) -> float:
+    """WCAG relative luminance: 0 for black, 1 for white."""
     c = QColor(hex_color)
     lin = [
         (v / 255) / 12.92 if v <= 10 else ((v / 255 + 0.055) / 1.055) ** 2.4
         for v in (c.red(), c.green(), c.blue())
     ]
-    lum = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-    return "#000000" if lum > 0.25 else "#FFFFFF"
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two colours, 1 (none) to 21 (black on white); body text
+    wants 4.5."""
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def label_color_on(hex_color: str) -> str:
+    """Black or white, whichever reads on ``hex_color``."""
+    return "#000000" if luminance(hex_color) > 0.25 else "#FFFFFF"
 
 
 def is_api(tag: Any) -> bool:

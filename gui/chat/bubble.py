@@ -21,8 +21,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine.units import format_bytes
-from gui.chat.markdown import Segment, split_segments
-from gui.palette import LIGHT, Palette
+from gui.chat.markdown import Segment, Theme, highlight, prose_html, split_segments
+from gui.palette import DARK, LIGHT, Palette
 
 FOLD_CHARS = 1200  # longer user messages are shown folded
 
@@ -83,6 +83,12 @@ QToolButton:disabled {{ color: {c.disabled}; }}
 BUBBLE_STYLE = bubble_style(LIGHT)  # the light theme's, for callers that want it fixed
 
 
+def render_theme(dark: bool) -> Theme:
+    """What rendered replies need of the theme: code, table and link colours."""
+    pal, c = (DARK, DARK_BUBBLES) if dark else (LIGHT, LIGHT_BUBBLES)
+    return Theme(dark, pal.foreground, c.code, c.code_border, c.link)
+
+
 def format_figures(stats: dict[str, Any]) -> str:
     """'27 prompt · 19 cached · 30 new · prefill 0.36 s (22 tok/s) · decode 18 tok/s'; a
     reply whose context came back from the disk tier says so: '2,100 cached (63 pages from
@@ -109,10 +115,13 @@ def format_figures(stats: dict[str, Any]) -> str:
 
 
 class CodeBlock(QFrame):
-    """A fenced code block: monospace text and a copy button."""
+    """A fenced code block: highlighted monospace text and a copy button that copies
+    the plain code."""
 
-    def __init__(self, segment: Segment, parent: QWidget | None = None):
+    def __init__(self, segment: Segment, theme: Theme, parent: QWidget | None = None):
         super().__init__(parent)
+        self.theme = theme
+        self.segment = segment
         self.setObjectName("code")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 2, 6, 6)
@@ -129,7 +138,7 @@ class CodeBlock(QFrame):
         head.addWidget(self.copy_button)
         layout.addLayout(head)
         self.code = QLabel()
-        self.code.setTextFormat(Qt.TextFormat.PlainText)
+        self.code.setTextFormat(Qt.TextFormat.RichText)
         self.code.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.code.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.code.setWordWrap(True)
@@ -137,17 +146,20 @@ class CodeBlock(QFrame):
         self.set_segment(segment)
 
     def set_segment(self, segment: Segment) -> None:
-        self.language.setText(segment.language or "code")
-        self.code.setText(segment.text)
+        self.segment = segment
+        shown = highlight(segment.text, segment.language, self.theme, segment.closed)
+        self.language.setText(shown.language or "code")
+        self.language.setToolTip("Language guessed from the code" if shown.guessed else "")
+        self.code.setText(shown.html)
 
     def copy(self) -> None:
-        QGuiApplication.clipboard().setText(self.code.text())
+        QGuiApplication.clipboard().setText(self.segment.text)
         self.copy_button.setText("Copied")
 
 
 def _prose_label() -> QLabel:
     label = QLabel()
-    label.setTextFormat(Qt.TextFormat.MarkdownText)
+    label.setTextFormat(Qt.TextFormat.RichText)
     label.setWordWrap(True)
     label.setOpenExternalLinks(True)
     label.setTextInteractionFlags(
@@ -170,8 +182,10 @@ class MessageBubble(QFrame):
         role: str,
         versions: list[int],
         parent: QWidget | None = None,
+        dark: bool = False,
     ):
         super().__init__(parent)
+        self.theme = render_theme(dark)
         self.message_id = message_id
         self.role = role
         self.versions = versions
@@ -259,8 +273,9 @@ class MessageBubble(QFrame):
     # -- content ----------------------------------------------------------------------
 
     def set_text(self, text: str) -> None:
-        """Re-render the Markdown; widgets are rebuilt only when the block structure
-        changes, so a streaming reply updates one label per tick."""
+        """Re-render the Markdown. Widgets of the leading segments whose kind is unchanged
+        are kept and only changed segments re-rendered, so a streaming reply updates
+        one label per tick, and a block that starts adds one widget."""
         if text == self.text and self._segment_widgets:
             return
         self.text = text
@@ -268,31 +283,37 @@ class MessageBubble(QFrame):
             segments = [Segment("text", self._user_text(text))]
         else:
             segments = split_segments(text)
-        same_shape = len(segments) == len(self._segments) and all(
-            a.kind == b.kind for a, b in zip(segments, self._segments)
-        )
-        if not same_shape:
-            for w in self._segment_widgets:
-                self.body.removeWidget(w)
-                w.hide()
-                w.deleteLater()
-            self._segment_widgets = []
-            for seg in segments:
-                widget: QWidget = CodeBlock(seg) if seg.kind == "code" else _prose_label()
+        keep = 0
+        while keep < min(len(segments), len(self._segments)) and (
+            segments[keep].kind == self._segments[keep].kind
+        ):
+            keep += 1
+        for w in self._segment_widgets[keep:]:
+            self.body.removeWidget(w)
+            w.hide()
+            w.deleteLater()
+        del self._segment_widgets[keep:]
+        for i, seg in enumerate(segments):
+            if i >= keep:
+                widget = CodeBlock(seg, self.theme) if seg.kind == "code" else _prose_label()
                 self.body.addWidget(widget)
                 self._segment_widgets.append(widget)
-            self._segments = []
-        for i, (seg, widget) in enumerate(zip(segments, self._segment_widgets)):
-            if i < len(self._segments) and self._segments[i] == seg:
+                if seg.kind == "code":
+                    continue  # rendered by its constructor
+            elif self._segments[i] == seg:
                 continue
-            if isinstance(widget, CodeBlock):
-                widget.set_segment(seg)
-            elif self.role == "user":
-                widget.setTextFormat(Qt.TextFormat.PlainText)
-                widget.setText(seg.text)
-            else:
-                widget.setText(seg.text)
+            self._render(seg, self._segment_widgets[i])
         self._segments = segments
+
+    def _render(self, segment: Segment, widget: QWidget) -> None:
+        if isinstance(widget, CodeBlock):
+            widget.set_segment(segment)
+        elif isinstance(widget, QLabel):
+            if self.role == "user":
+                widget.setTextFormat(Qt.TextFormat.PlainText)
+                widget.setText(segment.text)
+            else:
+                widget.setText(prose_html(segment.text, self.theme))
 
     def _user_text(self, text: str) -> str:
         """A pasted wall of text is shown folded; 'Show all' unfolds it."""

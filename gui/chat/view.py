@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from gui.chat.bubble import MessageBubble, bubble_style, notice_bubble
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
+from gui.chat.presets import PresetPicker, PresetStore
 from gui.palette import palette_for
 from gui.store import Store, StoreError
 
@@ -79,6 +80,7 @@ class ConversationSettings(QFrame):
         self.system_prompt.setPlaceholderText("Instructions the model sees before the chat")
         self.system_prompt.setMaximumHeight(70)
         form.addRow("System prompt", self.system_prompt)
+        self._add_preset_row(form)
         row = QHBoxLayout()
         self.temperature = _spin(0.0, 2.0, 0.05, 2, "Temperature (0 = greedy)")
         self.top_p = _spin(0.05, 1.0, 0.05, 2, "Top-p (1 = off)")
@@ -113,6 +115,20 @@ class ConversationSettings(QFrame):
         self.seed.textChanged.connect(self._emit)
         self.system_prompt.textChanged.connect(self._emit)
         self._loading = False
+
+    def _add_preset_row(self, form: QFormLayout) -> None:
+        """The preset picker under the system prompt: picking one fills the prompt (and
+        so saves it with the chat); editing the prompt moves the picker to "Custom"."""
+        self.presets = PresetPicker(self.system_prompt.toPlainText)
+        self.presets.chosen.connect(self.system_prompt.setPlainText)
+        self.system_prompt.textChanged.connect(
+            lambda: self.presets.show_prompt(self.system_prompt.toPlainText())
+        )
+        form.addRow("Preset", self.presets)
+
+    def use_presets(self, store: PresetStore) -> None:
+        """Keep the user's presets in ``store`` (the app's settings)."""
+        self.presets.use_store(store)
 
     def _set_open(self, open_: bool) -> None:
         self.panel.setVisible(open_)
@@ -261,6 +277,8 @@ class ChatView(QWidget):
         self._pinned_dark = dark
         self.dark = palette_for(dark).dark
         self.setStyleSheet(bubble_style(palette_for(dark)))
+        if self.conversation_id is not None:
+            self.reload()  # code colours are rendered into the bubbles' text
 
     def _on_os_scheme(self, *_: Any) -> None:
         if self._pinned_dark is None:
@@ -325,7 +343,7 @@ class ChatView(QWidget):
         for stored in path:
             msg = self.controller.shown(stored)
             versions = [m.id for m in self.store.siblings(msg)]
-            bubble = MessageBubble(msg.id, msg.role, versions)
+            bubble = MessageBubble(msg.id, msg.role, versions, dark=self.dark)
             bubble.edit_submitted.connect(self._edit)
             bubble.regenerate_requested.connect(self._regenerate)
             bubble.version_requested.connect(self.controller.switch_version)

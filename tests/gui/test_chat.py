@@ -28,7 +28,7 @@ def test_split_segments_closed_and_streaming_fences():
     # half-streamed: the open block runs to the end
     assert split_segments("Try\n```sh\nls -") == [
         Segment("text", "Try"),
-        Segment("code", "ls -", "sh"),
+        Segment("code", "ls -", "sh", closed=False),
     ]
     assert split_segments("") == [Segment("text", "")]
 
