@@ -423,8 +423,15 @@ class PrefixTreeModel:
             changed[has_parent] |= rekeyed[parent[has_parent]]
         self._prev = cur
 
+        # Plain lists: indexing numpy arrays one page at a time costs more than the copy.
+        hashes, parents, states = cur["hash"].tolist(), parent.tolist(), cur["state"].tolist()
+        refs, fills, evicts, inside = (
+            cur["ref"].tolist(), cur["fill"].tolist(), evict.tolist(), in_tree.tolist()
+        )  # fmt: skip
+        tags: dict[tuple[int, ...], tuple[Any, ...]] = {}  # owners -> chat keys, once each
+
         def key_of(page: int) -> NodeKey:
-            h = int(cache.hash_prefix[page])
+            h = hashes[page]
             return ("h", h) if h else ("p", page)
 
         # Pages the events left out (an event log that overflowed, say) are redone too.
@@ -434,23 +441,27 @@ class PrefixTreeModel:
         removed = added = touched = 0
         pages = np.flatnonzero(changed).tolist()
         for page in pages:
-            want = key_of(page) if in_tree[page] else None
+            want = key_of(page) if inside[page] else None
             have = self._by_page.get(page)
             if have is not None and have != want:
                 removed += self._drop_page(page)
             if want is None:
                 continue
-            p = int(parent[page])
-            pkey = key_of(p) if p >= 0 and in_tree[p] else None
+            p = parents[page]
+            pkey = key_of(p) if p >= 0 and inside[p] else None
             old = self._nodes.get(want)
             kind = None if old is None else old.kind
-            node = self._put(want, pkey, page, int(cache.state[page]))
+            node = self._put(want, pkey, page, states[page])
             added += old is None
             node.tokens = snapshot.page_tokens[page] if page < len(snapshot.page_tokens) else []
-            node.ref_count = int(cache.ref_count[page])
-            node.fill = int(cache.fill[page])
-            node.evict_next = bool(evict[page])
-            node.owners = chat_keys(snapshot, cache.owners[page])
+            node.ref_count = refs[page]
+            node.fill = fills[page]
+            node.evict_next = evicts[page]
+            owners = cache.owners[page]
+            keys = tags.get(owners)
+            if keys is None:
+                keys = tags[owners] = chat_keys(snapshot, owners)
+            node.owners = keys
             if node.owners:
                 node.used_by = node.owners
             if node.kind != kind:
@@ -490,7 +501,7 @@ class PrefixTreeModel:
         # Any node whose page the snapshot does not show (a missed event) goes.
         for key in [k for k, nd in self._nodes.items() if nd.page >= 0]:
             nd = self._nodes[key]
-            if nd.page >= n or not in_tree[nd.page] or key_of(nd.page) != key:
+            if nd.page >= n or not inside[nd.page] or key_of(nd.page) != key:
                 if self._by_page.get(nd.page) == key:
                     del self._by_page[nd.page]
                 del self._nodes[key]
