@@ -19,6 +19,7 @@ no node and no edge, and lies wholly inside the view; the full text is in the to
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,12 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRect, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QFontMetricsF, QPainterPath, QPen
-from PySide6.QtWidgets import QGraphicsItem, QGraphicsRectItem, QGraphicsSimpleTextItem
+from PySide6.QtWidgets import (
+    QApplication,
+    QGraphicsItem,
+    QGraphicsRectItem,
+    QGraphicsSimpleTextItem,
+)
 
 from engine.cache.page import PageState
 from gui.palette import Palette
@@ -63,7 +69,7 @@ _TIP_TEXT = 320  # characters of text in a tooltip
 _TIP_WIDTH = 64  # its lines' length
 _HINT = (
     "Drag to pan, wheel to zoom. Click a node to find its pages in the page map; click a "
-    "stack (a chain of like pages) to show its pages one by one, double-click one of "
+    "stack (a chain of like pages) to show its pages one by one, and double-click one of "
     "them to fold the chain again."
 )
 
@@ -94,6 +100,7 @@ class PrefixTreeView(PlotView):
         self._labels: dict[NodeKey, _Label] = {}
         self._label_order: list[NodeKey] = []  # most telling first: roots, forks, leaves
         self._user_moved = False
+        self._last_click: tuple[NodeKey | None, float] = (None, 0.0)  # key, monotonic s
         self._caption_parts: list[tuple[int, str]] = []  # (priority, text) of the caption
         self._caption_brief = ""  # what it says when not even its first part fits
         # Pixel geometry of what is drawn, for the label check: run centres and sizes in
@@ -164,11 +171,17 @@ class PrefixTreeView(PlotView):
         self._redraw()
         return True
 
-    def _on_points_clicked(self, _item: Any, points: Any, ev: Any = None) -> None:
+    def _on_points_clicked(self, _item: Any, points: Any, *_: Any) -> None:
+        """A click, or the second click of a double click on the same node: pyqtgraph's
+        scene hands items the double click as a plain second click, so it is told
+        apart here by the time since the first."""
         if not len(points):
             return
-        key = points[0].data()
-        if ev is not None and ev.double():
+        key, now = points[0].data(), time.monotonic()
+        last_key, last_at = self._last_click
+        self._last_click = (key, now)
+        if key == last_key and now - last_at <= QApplication.doubleClickInterval() / 1000:
+            self._last_click = (None, 0.0)
             self.fold_node(key)
         else:
             self.click_node(key)
@@ -549,12 +562,16 @@ class PrefixTreeView(PlotView):
             lines.append("Only chat-template tokens (turn markers), no words.")
         if run.folded:
             lines.append("Click to show its pages one by one.")
+        elif model.unfolded(key):
+            lines.append("Double-click to fold its chain again.")
         return "\n".join(lines)
 
     def _names(self, tags: tuple[Any, ...], most: int = 3) -> str:
         names = []
         for tag in tags[:most]:
-            name = self.chats.name(tag)
+            # An untagged job's key is ("job", id) (`chat_key`): say it as a person would.
+            untagged = isinstance(tag, tuple) and len(tag) == 2 and tag[0] == "job"
+            name = f"job {tag[1]}" if untagged else self.chats.name(tag)
             names.append("“" + (name if len(name) <= 32 else name[:31] + "…") + "”")
         if len(tags) > most:
             return ", ".join(names) + f" and {len(tags) - most} more"

@@ -561,6 +561,10 @@ class PrefixTreeModel:
         self._structure_dirty = True
         return True
 
+    def unfolded(self, key: NodeKey) -> bool:
+        """Whether ``key`` is drawn alone because the user unfolded its chain."""
+        return key in self._unfolded
+
     def fold(self, key: NodeKey) -> bool:
         """Fold again the unfolded chain through ``key`` (the nodes unfolded with it:
         up and down while each is the only continuation of the one before)."""

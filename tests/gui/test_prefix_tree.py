@@ -342,9 +342,23 @@ def test_chains_fold_into_stacks_and_unfold_on_click(qtbot, chatml):
     assert clicked.args[0] == model.chain_pages(shared_run.key)
     assert len(tree.scatter.points()) == drawn + len(shared_run.members) - 1
     assert model.run_of(shared_run.members[2]).members == [shared_run.members[2]]
+    assert "Double-click to fold its chain again." in tree.tooltip(shared_run.members[2])
     assert tree.fold_node(shared_run.members[2])
     assert len(tree.scatter.points()) == drawn
     assert not tree.fold_node(shared_run.members[2])  # folded already
+
+    # With the mouse: a click on the stack opens it, a second click soon after (the
+    # second half of a double click) folds it again; a later one does not.
+    vb = tree.plot.getViewBox()
+    at = (vb.childTransform() * vb.sceneTransform()).map(QPointF(*shared_run.pos))
+    at = tree.plot.mapFromScene(at)
+    qtbot.mouseClick(tree.plot.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    assert len(tree.scatter.points()) == drawn + len(shared_run.members) - 1
+    tree._last_click = (shared_run.key, -3600.0)  # as if the first click were long ago
+    qtbot.mouseClick(tree.plot.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    assert len(tree.scatter.points()) == drawn + len(shared_run.members) - 1
+    qtbot.mouseClick(tree.plot.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    assert len(tree.scatter.points()) == drawn
 
 
 # -- tooltips -----------------------------------------------------------------------------
@@ -385,6 +399,8 @@ def test_tooltips_speak_plainly(qtbot, chatml):
     tokens = sum(m.fill for m in members)
     assert f"\n{len(members)} pages, {tokens} tokens" in "\n" + tips[folded]
     assert "Click to show its pages one by one." in tips[folded]
+    # Jobs without a chat are named by their job id.
+    assert tree._names((("job", 7), "kv")) == "“job 7” and “kv”"
     # The label's hover gives the same words.
     label = tree._labels[shared]
     assert label._tip() == tips[shared]
