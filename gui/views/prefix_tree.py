@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,6 +123,12 @@ class PrefixTreeView(PlotView):
         self._pens: dict[tuple[str, float], Any] = {}
         self._brushes: dict[str, Any] = {}
         self.scatter.sigClicked.connect(self._on_points_clicked)
+        # A label's hover shows its node's tooltip. pyqtgraph finds hovered items through
+        # their scene transform, which is wrong for items that ignore the zoom, so the
+        # view looks the label up itself from where it placed it.
+        self._shown_labels: list[tuple[QRectF, NodeKey]] = []  # scene pixels
+        self._label_tip = ""
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.plot.addItem(self.edges)
         self.plot.addItem(self.scatter)
         self.set_palette(self.palette_)
@@ -403,7 +408,7 @@ class PrefixTreeView(PlotView):
                     self.plot.removeItem(self._labels.pop(key))
                 continue
             if item is None:
-                item = _Label(text, self.palette_.foreground, self._tip_for(key))
+                item = _Label(text, self.palette_.foreground)
                 self.plot.addItem(item)
                 self._labels[key] = item
             else:
@@ -430,6 +435,7 @@ class PrefixTreeView(PlotView):
         visible = vb.sceneBoundingRect()
         taken = _Grid()
         self._add_drawing(taken, to_scene, visible)
+        self._shown_labels = []
         runs = self.model.runs()
         for key in self._label_order:
             item, run = self._labels.get(key), runs.get(key)
@@ -453,6 +459,7 @@ class PrefixTreeView(PlotView):
             item.setVisible(ok)
             if ok:
                 taken.add(rect.adjusted(-_LABEL_GAP / 2, 0, _LABEL_GAP / 2, 0))
+                self._shown_labels.append((rect, key))
 
     def _add_drawing(self, grid: _Grid, to_scene: Any, visible: QRectF) -> None:
         """The nodes and edges in view, as pixel rectangles a label must not cover."""
@@ -515,8 +522,19 @@ class PrefixTreeView(PlotView):
 
     # -- tooltips ---------------------------------------------------------------------
 
-    def _tip_for(self, key: NodeKey) -> Callable[[], str]:
-        return lambda: self.tooltip(key)
+    def _on_mouse_moved(self, pos: QPointF) -> None:
+        """Show the tooltip of the label under the mouse; off a label, take back only a
+        tooltip of ours (the scatter sets and clears its nodes' own)."""
+        vb = self.plot.getViewBox()
+        key = next((k for rect, k in self._shown_labels if rect.contains(pos)), None)
+        if key is not None:
+            self._label_tip = self.tooltip(key)
+            if vb.toolTip() != self._label_tip:
+                vb.setToolTip(self._label_tip)
+        elif self._label_tip:
+            if vb.toolTip() == self._label_tip:
+                vb.setToolTip("")
+            self._label_tip = ""
 
     def _tip_for_point(self, x: float, y: float, data: Any) -> str:
         return self.tooltip(data)
@@ -612,25 +630,22 @@ class _Grid:
 
 
 class _Label(QGraphicsRectItem):
-    """A text label that keeps its pixel size at any zoom, just under its node, with the
-    node's tooltip on hover.
+    """A text label that keeps its pixel size at any zoom, just under its node.
 
     Plain Qt items rather than `pg.TextItem`: with PySide6 6.12, TextItem's anchor
     arithmetic (QPointF times pg.Point) drops a reference to None on every update,
     which crashed the interpreter after a few thousand label updates."""
 
-    def __init__(self, text: str, color: str, tip: Callable[[], str]):
+    def __init__(self, text: str, color: str):
         super().__init__()
         self.setFlag(QGraphicsItem.GraphicsItemFlag.ItemIgnoresTransformations, True)
         self.setPen(QPen(Qt.PenStyle.NoPen))
-        self.setAcceptHoverEvents(True)
         self.text_item = QGraphicsSimpleTextItem(self)
         font = QFont()
         font.setPointSizeF(7.5)
         self.text_item.setFont(font)
         self.text_item.setBrush(QColor(color))
         self._metrics = QFontMetricsF(font)
-        self._tip = tip
         self._full = ""
         self._width = -1.0
         self.set_text(text)
@@ -650,12 +665,7 @@ class _Label(QGraphicsRectItem):
             self.text_item.setText(shown)
         self.text_item.setPos(offset)
         rect = self.text_item.boundingRect().translated(offset)
-        self.setRect(rect)  # the hover area: the text
         return rect
-
-    def hoverEnterEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
-        self.setToolTip(self._tip())  # worked out when wanted: it reads live state
-        super().hoverEnterEvent(event)
 
     def full_text(self) -> str:
         return self._full

@@ -401,9 +401,14 @@ def test_tooltips_speak_plainly(qtbot, chatml):
     assert "Click to show its pages one by one." in tips[folded]
     # Jobs without a chat are named by their job id.
     assert tree._names((("job", 7), "kv")) == "“job 7” and “kv”"
-    # The label's hover gives the same words.
+    # The mouse on a node's label shows the node's words.
     label = tree._labels[shared]
-    assert label._tip() == tips[shared]
+    text = label.text_item
+    at = text.deviceTransform(tree.plot.viewportTransform()).map(text.boundingRect().center())
+    qtbot.mouseMove(tree.plot.viewport(), at.toPoint())
+    assert tree.plot.getViewBox().toolTip() == tips[shared]
+    tree._on_mouse_moved(QPointF(-50, -50))  # off every label: the tooltip goes
+    assert tree.plot.getViewBox().toolTip() == ""
 
 
 # -- geometry -----------------------------------------------------------------------------
