@@ -554,7 +554,8 @@ class PrefixTreeView(PlotView):
             lines.append(f"Used by {self._names(first.owners)}")
         elif first.used_by:
             lines.append(f"Last used by {self._names(first.used_by)}")
-        tokens = sum(n.fill for n in nodes)
+        # The host tier and the disk hold full pages only; their nodes' fill is not sent.
+        tokens = sum(n.fill if n.page >= 0 else model.page_size for n in nodes)
         size = f"{plural(len(nodes), 'page')}, {plural(tokens, 'token')}"
         if first.page >= 0 and model.prompt_start_known(first):
             start = first.depth * model.page_size

@@ -24,7 +24,7 @@ from engine.cache.snapshot import CacheSnapshot, cache_stats
 from engine.engine import EngineSnapshot, JobInfo
 from gui.views.prefix_tree import PrefixTreeView
 from gui.views.prefix_tree_model import PrefixTreeModel
-from gui.views.prefix_tree_text import readable_text, special_token_ids
+from gui.views.prefix_tree_text import readable_text, special_token_ids, state_in_words
 from tests.gui.conftest import synthetic_snapshot
 
 WRAP = int(Qt.TextFlag.TextWordWrap)
@@ -364,6 +364,22 @@ def test_chains_fold_into_stacks_and_unfold_on_click(qtbot, chatml):
 # -- tooltips -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ((PageState.REFERENCED, 2, False, 32, 32, 0), "in use by 2 chats"),
+        ((PageState.REFERENCED, 1, False, 17, 32, 0), "in use by 1 chat, being written (17 of 32 tokens)"),
+        ((PageState.CACHED, 0, True, 32, 32, 0), "cached, reclaimable: evicted next when a new page is needed"),
+        ((PageState.CACHED, 0, False, 32, 32, 3), "cached, reclaimable; kept because it is the head of a chain: the 3 pages after it are reused first"),
+        ((PageState.CACHED, 0, False, 32, 32, 0), "cached, reclaimable: a prompt that begins the same way reuses it"),
+        ((PageState.HOST, 0, False, 0, 32, 0), "in host memory only: copied back to the GPU when a prompt needs it"),
+        ((PageState.DISK, 0, False, 0, 32, 0), "on disk only: read back when a prompt needs it"),
+    ],
+)  # fmt: skip
+def test_states_in_words(args, words):
+    assert state_in_words(*args) == words
+
+
 def test_tooltips_speak_plainly(qtbot, chatml):
     a = _prompt(chatml, SYSTEM + " " + _words(0, 60), "Plan a day in Lisbon.")
     b = _prompt(chatml, SYSTEM + " " + _words(0, 60), "What is a KV cache?")
@@ -394,6 +410,7 @@ def test_tooltips_speak_plainly(qtbot, chatml):
     assert "evicted next" in tips[leaf]
     on_disk = [k for k in tips if model.get(k).state == PageState.DISK]
     assert on_disk and all("On disk only" in tips[k] for k in on_disk)
+    assert all(tips[k].startswith("1 page, 32 tokens\n") for k in on_disk)
     folded = next(k for k in tips if model.run_of(k).folded)
     members = [model.get(k) for k in model.run_of(folded).members]
     tokens = sum(m.fill for m in members)
@@ -441,7 +458,7 @@ def test_labels_never_overlap_and_stay_in_view(qtbot, chatml, chats):
         vb.scaleBy(scale)
         _assert_labels_clear(tree)
     tree.resize(420, 300)
-    qtbot.wait(1)
+    QApplication.processEvents()
     _assert_labels_clear(tree)
     # Every chain unfolded: many more nodes, still no overlap.
     for key in list(tree.model.runs()):
