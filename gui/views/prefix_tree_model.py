@@ -2,8 +2,14 @@
 
 A root is the first page of a prompt; its children are the pages that continue it. Two
 chats that share a system prompt share a chain of pages and split at a branch point.
-The layout runs left to right (x = depth, the page's position in the prompt), each
-chain on one row so a long prompt reads as a line and a split as a fork.
+What is drawn is runs: a chain of at least `RUN_MIN` pages of one kind (the same state,
+chats, sharing and eviction mark), each the only continuation of the one before, is one
+node (a stack) until the user unfolds it, so a 100-page chat is a node, not a hundred.
+The layout runs left to right (x = the run's column), each chain on one row so a long
+prompt reads as a line and a split as a fork.
+
+Text is decoded on first need, without the chat template (`prefix_tree_text`), and kept
+until the page's fill changes: most pages are never labelled or hovered.
 
 Pages that live only in the host tier or on disk are nodes too (no device page); the
 disk tier's are its newest `TREE_DISK_CAP` records, with their parents from the
@@ -14,7 +20,7 @@ stored, removed, evicted, pushed to / restored from the host tier, read back fro
 moved by defrag, cleared) and `set_snapshot` reconciles against a snapshot, touching only the pages
 whose state, owners, fill or parent changed since the last one (numpy diffs; no
 per-page Python work for pages that did not change). The layout is recomputed only
-when the shape of the tree changed.
+when the shape of the tree or the kind of a page changed.
 
 Qt-free, like the page map's model: `gui.views.prefix_tree` draws it and turns clicks
 into selections.
@@ -30,13 +36,15 @@ import numpy as np
 
 from engine.cache.page import PageState
 from gui.views.page_map_model import chat_keys
+from gui.views.prefix_tree_text import Readable, ShortPrefix, readable_text, special_token_ids
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
 
 NodeKey = tuple[str, int]  # ("h", hash prefix) for hashed pages, ("p", page) otherwise
 
-X_STEP = 1.6  # layout units from one generation to the next: room for a label
+X_STEP = 1.6  # layout units from one column to the next: room for a label
+RUN_MIN = 3  # a chain of this many pages of one kind or more is drawn as one node
 TREE_DISK_CAP = 256  # disk-only nodes drawn at most (the newest records)
 
 
@@ -57,15 +65,41 @@ class TreeNode:
     ref_count: int = 0
     fill: int = 0
     owners: tuple[Any, ...] = ()  # chat keys
+    used_by: tuple[Any, ...] = ()  # the chat keys that held it last (kept once released)
     evict_next: bool = False
-    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # the snapshot's (shared) token list
     order: int = 0  # creation order: siblings keep their places as the tree grows
-    pos: tuple[float, float] = (0.0, 0.0)
+    depth: int = 0  # pages before it in its prompt (those the tree still holds)
     children: list[NodeKey] = field(default_factory=list)
+    _text: tuple[int, str] | None = None  # (fill, readable text), decoded on first need
 
     @property
     def shared(self) -> bool:
         return self.ref_count > 1
+
+    @property
+    def kind(self) -> tuple[Any, ...]:
+        """What a node shows: pages of one chain fold into one run only while this is
+        the same for all of them."""
+        return (self.state, self.owners, self.shared, self.evict_next, self.page < 0)
+
+
+@dataclass
+class Run:
+    """What the view draws as one node: one page, or a chain of at least `RUN_MIN`
+    pages of one kind, each the only continuation of the one before, folded."""
+
+    key: NodeKey  # its first page's
+    members: list[NodeKey]
+    parent: NodeKey | None  # the run before it, None for a root's
+    column: int  # runs before it on its path from the root
+    order: int
+    children: list[NodeKey] = field(default_factory=list)
+    pos: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def folded(self) -> bool:
+        return len(self.members) > 1
 
 
 class PrefixTreeModel:
@@ -79,9 +113,14 @@ class PrefixTreeModel:
         self._order = itertools.count()
         self._prev: dict[str, np.ndarray] = {}
         self._tokenizer: Any = None
+        self._special: frozenset[int] = frozenset()
         self._version = -1
         self._structure_dirty = True
         self._selected: set[NodeKey] = set()
+        self._runs: dict[NodeKey, Run] = {}  # what the view draws, keyed by first page
+        self._run_of: dict[NodeKey, NodeKey] = {}  # node -> the run it is drawn in
+        self._unfolded: set[NodeKey] = set()  # nodes the user unfolded: never in a run
+        self._run_texts: dict[NodeKey, tuple[tuple, Readable]] = {}  # run -> its text
         self.page_size = 0
         self.disk_records = 0  # records the disk tier holds (its newest are nodes)
         self._disk_seen: object = None  # the record list last applied (rebuilt on change)
@@ -139,6 +178,109 @@ class PrefixTreeModel:
 
     def selected(self) -> set[NodeKey]:
         return set(self._selected)
+
+    def runs(self) -> dict[NodeKey, Run]:
+        """The nodes as drawn (chains of like pages folded), in drawing order; the
+        model's own dict, not to be changed."""
+        self.relink()
+        return self._runs
+
+    def run_of(self, key: NodeKey) -> Run | None:
+        self.relink()
+        head = self._run_of.get(key)
+        return None if head is None else self._runs[head]
+
+    def pages_after(self, node: TreeNode) -> int:
+        """Pages continuing ``node`` (its descendants in the tree)."""
+        self.relink()
+        count, stack = 0, list(node.children)
+        while stack:
+            count += 1
+            stack.extend(self._nodes[stack.pop()].children)
+        return count
+
+    def prompt_start_known(self, node: TreeNode) -> bool:
+        """Whether the tree still holds the first page of ``node``'s prompt (an orphan's
+        was reused, so where it sits in its prompt is not known)."""
+        self.relink()
+        return self._root_of(node).parent is None
+
+    def _root_of(self, node: TreeNode) -> TreeNode:
+        for _ in range(node.depth):
+            node = self._nodes[node.parent]  # type: ignore[index]
+        return node
+
+    # -- text -------------------------------------------------------------------------
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether pages can be read: without a tokenizer every text is empty."""
+        return self._tokenizer is not None
+
+    def readable(self, node: TreeNode) -> Readable:
+        """The page's text without the chat template (see `readable_text`), decoded on
+        first need: most pages are never labelled or hovered."""
+        if node._text is None or node._text[0] != node.fill:
+            node._text = (node.fill, self._readable([node]))
+        return node._text[1]
+
+    def text(self, node: TreeNode) -> str:
+        return self.readable(node).text
+
+    def run_readable(self, run: Run, pages: int = 4) -> Readable:
+        """The text of the run's first ``pages`` pages, decoded together (so a word or
+        a turn that crosses a page boundary reads whole); kept until they change."""
+        first = [self._nodes[k] for k in run.members[:pages]]
+        if len(first) == 1:
+            return self.readable(first[0])
+        sig = tuple((n.key, n.fill) for n in first)
+        kept = self._run_texts.get(run.key)
+        if kept is None or kept[0] != sig:
+            kept = self._run_texts[run.key] = (sig, self._readable(first))
+        return kept[1]
+
+    def _readable(self, chain: list[TreeNode]) -> Readable:
+        """``chain``'s tokens (consecutive pages) without the chat template; a role
+        header at its start is known for one when the page before ended on a marker."""
+        ids = [t for n in chain for t in n.tokens[: n.fill]]
+        if self._tokenizer is None or not ids:
+            return Readable("", (), False)
+        head = chain[0]
+        parent = self._nodes.get(head.parent) if head.parent is not None else None
+        after = bool(
+            parent is not None
+            and 0 < parent.fill <= len(parent.tokens)
+            and parent.tokens[parent.fill - 1] in self._special
+        )
+        return readable_text(self._tokenizer.decode, ids, self._special, after)
+
+    def short_shared_prefix(self) -> ShortPrefix | None:
+        """The longest start that two or more prompts share when it is shorter than a
+        page: their first pages differ after it, so none is shared (the "0 shared" a
+        short common system prompt gives). Worth saying only when a whole turn (a system
+        prompt, say) is common, or, without template tokens, at least 8 tokens."""
+        self.relink()
+        firsts = sorted(
+            tuple(n.tokens[: n.fill])
+            for n in self._nodes.values()
+            if n.parent is None and n.page >= 0 and n.fill and n.tokens
+        )
+        best, at = 0, -1
+        for i in range(len(firsts) - 1):
+            a, b = firsts[i], firsts[i + 1]
+            same = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            if same is None:
+                same = min(len(a), len(b))
+            if best < same < self.page_size:
+                best, at = same, i
+        if best == 0 or self._tokenizer is None:
+            return None
+        common = list(firsts[at][:best])
+        text = readable_text(self._tokenizer.decode, common, self._special)
+        if not (text.closes_turn or (not self._special and best >= 8)):
+            return None
+        prompts = sum(1 for f in firsts if list(f[:best]) == common)
+        return ShortPrefix(prompts, best, self.page_size, text.roles)
 
     # -- feeding: events --------------------------------------------------------------
 
@@ -198,6 +340,8 @@ class PrefixTreeModel:
             if node.parent != parent:
                 node.parent = parent
                 self._structure_dirty = True
+            if node.state != state or (node.page < 0) != (page < 0):
+                self._structure_dirty = True  # runs of like pages change
             node.page, node.state = page, state
         if page >= 0:
             self._by_page[page] = key
@@ -233,8 +377,10 @@ class PrefixTreeModel:
         snapshot is the one already applied; `last_update` says what changed."""
         if tokenizer is not None and tokenizer is not self._tokenizer:
             self._tokenizer = tokenizer
+            self._special = special_token_ids(tokenizer)
             for node in self._nodes.values():
-                node.text = ""  # decode again with the tokenizer now known
+                node._text = None  # decode again with the tokenizer now known
+            self._run_texts.clear()
             self._prev = {}
         if snapshot.version == self._version and self._prev:
             return False
@@ -277,8 +423,15 @@ class PrefixTreeModel:
             changed[has_parent] |= rekeyed[parent[has_parent]]
         self._prev = cur
 
+        # Plain lists: indexing numpy arrays one page at a time costs more than the copy.
+        hashes, parents, states = cur["hash"].tolist(), parent.tolist(), cur["state"].tolist()
+        refs, fills, evicts, inside = (
+            cur["ref"].tolist(), cur["fill"].tolist(), evict.tolist(), in_tree.tolist()
+        )  # fmt: skip
+        tags: dict[tuple[int, ...], tuple[Any, ...]] = {}  # owners -> chat keys, once each
+
         def key_of(page: int) -> NodeKey:
-            h = int(cache.hash_prefix[page])
+            h = hashes[page]
             return ("h", h) if h else ("p", page)
 
         # Pages the events left out (an event log that overflowed, say) are redone too.
@@ -288,24 +441,31 @@ class PrefixTreeModel:
         removed = added = touched = 0
         pages = np.flatnonzero(changed).tolist()
         for page in pages:
-            want = key_of(page) if in_tree[page] else None
+            want = key_of(page) if inside[page] else None
             have = self._by_page.get(page)
             if have is not None and have != want:
                 removed += self._drop_page(page)
             if want is None:
                 continue
-            p = int(parent[page])
-            pkey = key_of(p) if p >= 0 and in_tree[p] else None
-            before = len(self._nodes)
-            node = self._put(want, pkey, page, int(cache.state[page]))
-            added += len(self._nodes) - before
-            fill = int(cache.fill[page])
-            if fill != node.fill or not node.text:
-                node.text = self._decode(snapshot, page, fill)
-            node.ref_count = int(cache.ref_count[page])
-            node.fill = fill
-            node.evict_next = bool(evict[page])
-            node.owners = chat_keys(snapshot, cache.owners[page])
+            p = parents[page]
+            pkey = key_of(p) if p >= 0 and inside[p] else None
+            old = self._nodes.get(want)
+            kind = None if old is None else old.kind
+            node = self._put(want, pkey, page, states[page])
+            added += old is None
+            node.tokens = snapshot.page_tokens[page] if page < len(snapshot.page_tokens) else []
+            node.ref_count = refs[page]
+            node.fill = fills[page]
+            node.evict_next = evicts[page]
+            owners = cache.owners[page]
+            keys = tags.get(owners)
+            if keys is None:
+                keys = tags[owners] = chat_keys(snapshot, owners)
+            node.owners = keys
+            if node.owners:
+                node.used_by = node.owners
+            if node.kind != kind:
+                self._structure_dirty = True  # runs of like pages change
             touched += 1
         # Host-tier entries and disk records: keep those the events told us about, add
         # any they missed, and drop the ones neither tier holds any more. A page in both
@@ -325,8 +485,9 @@ class PrefixTreeModel:
             if node is None:
                 self._put(("h", h), None, -1, PageState.HOST)
                 added += 1
-            elif node.page < 0:
+            elif node.page < 0 and node.state != PageState.HOST:
                 node.state, node.ref_count, node.owners = PageState.HOST, 0, ()
+                self._structure_dirty = True
         for h, parent_h in on_disk.items():
             node = self._nodes.get(("h", h))
             if node is None:
@@ -334,12 +495,13 @@ class PrefixTreeModel:
                 node = self._nodes[("h", h)]
                 node.fill = snapshot.page_size
                 added += 1
-            elif node.page < 0 and h not in held:
+            elif node.page < 0 and h not in held and node.state != PageState.DISK:
                 node.state, node.ref_count, node.owners = PageState.DISK, 0, ()
+                self._structure_dirty = True
         # Any node whose page the snapshot does not show (a missed event) goes.
         for key in [k for k, nd in self._nodes.items() if nd.page >= 0]:
             nd = self._nodes[key]
-            if nd.page >= n or not in_tree[nd.page] or key_of(nd.page) != key:
+            if nd.page >= n or not inside[nd.page] or key_of(nd.page) != key:
                 if self._by_page.get(nd.page) == key:
                     del self._by_page[nd.page]
                 del self._nodes[key]
@@ -369,17 +531,6 @@ class PrefixTreeModel:
                 )
         return self._disk_nodes
 
-    def _decode(self, snapshot: EngineSnapshot, page: int, fill: int) -> str:
-        if self._tokenizer is None or page >= len(snapshot.page_tokens):
-            return ""
-        ids = list(snapshot.page_tokens[page][:fill])
-        if not ids:
-            return ""
-        try:
-            return self._tokenizer.decode(ids)
-        except Exception:  # noqa: BLE001 - a label must never break drawing
-            return ""
-
     # -- selection --------------------------------------------------------------------
 
     def select_pages(self, pages: list[int]) -> None:
@@ -400,37 +551,97 @@ class PrefixTreeModel:
 
     # -- layout -----------------------------------------------------------------------
 
+    def unfold(self, key: NodeKey) -> bool:
+        """Draw the pages of the run holding ``key`` one by one; False when it is one
+        page already."""
+        run = self.run_of(key)
+        if run is None or not run.folded:
+            return False
+        self._unfolded.update(run.members)
+        self._structure_dirty = True
+        return True
+
+    def unfolded(self, key: NodeKey) -> bool:
+        """Whether ``key`` is drawn alone because the user unfolded its chain."""
+        return key in self._unfolded
+
+    def fold(self, key: NodeKey) -> bool:
+        """Fold again the unfolded chain through ``key`` (the nodes unfolded with it:
+        up and down while each is the only continuation of the one before)."""
+        node = self._nodes.get(key)
+        if node is None or key not in self._unfolded:
+            return False
+        self.relink()
+        chain = [key]
+        up = self._nodes.get(node.parent) if node.parent is not None else None
+        while up is not None and up.key in self._unfolded and len(up.children) == 1:
+            chain.append(up.key)
+            up = self._nodes.get(up.parent) if up.parent is not None else None
+        down = node
+        while len(down.children) == 1 and down.children[0] in self._unfolded:
+            down = self._nodes[down.children[0]]
+            chain.append(down.key)
+        self._unfolded.difference_update(chain)
+        self._structure_dirty = True
+        return True
+
     def relink(self) -> bool:
-        """Bring children lists and positions up to date after the tree's shape
-        changed; True when it had to."""
+        """Bring children lists, runs and positions up to date after the tree's shape
+        (or a page's kind) changed; True when it had to."""
         if not self._structure_dirty:
             return False
-        for node in self._nodes.values():
+        nodes = self._nodes
+        for node in nodes.values():
             node.children = []
-        for node in sorted(self._nodes.values(), key=lambda nd: nd.order):
-            parent = self._nodes.get(node.parent) if node.parent is not None else None
+        ordered = sorted(nodes.values(), key=lambda nd: nd.order)
+        roots = []
+        for node in ordered:
+            parent = nodes.get(node.parent) if node.parent is not None else None
             if parent is not None:
                 parent.children.append(node.key)
-        self._layout()
+            else:
+                roots.append(node)
+        self._unfolded.intersection_update(nodes)
+        self._lay_out(roots)
         self._structure_dirty = False
         return True
 
-    def _layout(self) -> None:
-        """x = depth, y = row; a node sits on its first child's row so every chain is
-        a straight line and a fork steps down."""
+    def _lay_out(self, roots: list[TreeNode]) -> None:
+        """Fold chains into runs and place them: x = column (runs from the root), y =
+        row; a run sits on its first child's row, so a chain is a straight line and a
+        fork steps down. One pass, depth first, iterative: chains can be thousands of
+        pages deep."""
+        nodes, unfolded = self._nodes, self._unfolded
+        runs: dict[NodeKey, Run] = {}
+        run_of: dict[NodeKey, NodeKey] = {}
+        # (first node, parent run, column, depth, rows to step down before it)
+        stack = [(r, None, 0, 0, 1.5 if i else 0.0) for i, r in reversed(list(enumerate(roots)))]
         row = 0.0
-        roots = sorted(
-            (n for n in self._nodes.values() if n.parent not in self._nodes),
-            key=lambda nd: nd.order,
-        )
-        for root in roots:
-            stack: list[tuple[TreeNode, int, bool]] = [(root, 0, True)]
-            while stack:  # iterative: chains can be thousands of pages deep
-                node, depth, first = stack.pop()
-                if not first:
-                    row += 1.0
-                node.pos = (depth * X_STEP, row)
-                kids = [self._nodes[c] for c in node.children]
-                for i, kid in reversed(list(enumerate(kids))):
-                    stack.append((kid, depth + 1, i == 0))
-            row += 1.5  # a little air between prompts that share nothing
+        while stack:
+            head, up, column, depth, step = stack.pop()
+            chain = [head]
+            if head.key not in unfolded:
+                kind, tail = head.kind, head
+                while len(tail.children) == 1:
+                    tail = nodes[tail.children[0]]
+                    if tail.key in unfolded or tail.kind != kind:
+                        break
+                    chain.append(tail)
+                if len(chain) < RUN_MIN:
+                    chain = [head]
+            row += step
+            run = Run(head.key, [n.key for n in chain], up, column, head.order)
+            run.pos = (column * X_STEP, row)
+            runs[head.key] = run
+            if up is not None:
+                runs[up].children.append(head.key)
+            for i, n in enumerate(chain):
+                n.depth = depth + i
+                run_of[n.key] = head.key
+            kids = chain[-1].children
+            for i in range(len(kids) - 1, -1, -1):
+                stack.append(
+                    (nodes[kids[i]], head.key, column + 1, depth + len(chain), float(i > 0))
+                )
+        self._runs, self._run_of = runs, run_of
+        self._run_texts = {k: v for k, v in self._run_texts.items() if k in runs}

@@ -90,21 +90,23 @@ def test_tree_model_reconciles_snapshots_without_a_widget(fake_tokenizer):
     fork = tree.node_for_page(shared[-1])
     assert tree.branch_points() == [fork.key]
     assert fork.owners == ("chat 1", "chat 2") and fork.shared
-    assert fork.text == fake_tokenizer.decode(snap.page_tokens[shared[-1]])
+    assert tree.text(fork) == fake_tokenizer.decode(snap.page_tokens[shared[-1]])
     first, second = (tree.nodes()[k] for k in tree.children_of(fork.key))
     # Layout: a chain stays on its row, a fork steps down.
-    assert first.pos[1] == fork.pos[1] < second.pos[1]
-    assert first.pos[0] == second.pos[0] > fork.pos[0]
+    at = {k: tree.run_of(k).pos for k in (fork.key, first.key, second.key)}
+    assert at[first.key][1] == at[fork.key][1] < at[second.key][1]
+    assert at[first.key][0] == at[second.key][0] > at[fork.key][0]
     assert set(shared) <= set(tree.chain_pages(fork.key))
 
-    # One page's job ends: only that page is redone, the shape stays.
+    # One page's job ends: only that page is redone; it is cached now, so it no longer
+    # folds with the chat's pages before it (a new layout).
     page = tree.node_for_page(max(tree.chain_pages(second.key))).page
     state, ref = snap.cache.state.copy(), snap.cache.ref_count.copy()
     state[page], ref[page] = PageState.CACHED, 0
     cache = dataclasses.replace(snap.cache, state=state, ref_count=ref)
     assert tree.set_snapshot(dataclasses.replace(snap, version=2, cache=cache))
     assert tree.last_update == {"changed_pages": 1, "added": 0, "removed": 0, "touched": 1,
-                                "relayout": 0}  # fmt: skip
+                                "relayout": 1}  # fmt: skip
     assert tree.node_for_page(page).state == PageState.CACHED
 
     tree.select_chat("chat 2")
@@ -382,43 +384,6 @@ def test_graphs_follow_a_rolling_window(qtbot):
     assert y[-1] == pytest.approx(40.0)  # 4 tokens per 0.1 s step
     assert graphs.latest["prefill_tok_s"] == pytest.approx(160.0)
     assert not graphs.update_from(telemetry)  # nothing new, nothing redrawn
-
-
-def test_tree_labels_never_overlap(qtbot, fake_tokenizer):
-    """Labels are placed most telling first (roots, forks, leaves) and only where they
-    overlap no other; zooming in gives each more room."""
-    tree = PrefixTreeView()
-    qtbot.addWidget(tree)
-    tree.resize(600, 300)
-    tree.show()
-    tree.set_snapshot(synthetic_snapshot(256, chats=4), fake_tokenizer)
-    qtbot.wait(10)
-
-    def shown() -> list:
-        """The visible labels' rectangles in the view's pixels (labels ignore the zoom,
-        so only the device transform says where they land)."""
-        to_px = tree.plot.viewportTransform()
-        rects = []
-        for item in tree._labels.values():
-            if item.isVisible():
-                t = item.text_item
-                rects.append(t.deviceTransform(to_px).mapRect(t.boundingRect()))
-        return rects
-
-    before = shown()
-    assert before, "the roots at least are labelled"
-    for i, a in enumerate(before):
-        for b in before[i + 1 :]:
-            assert not a.intersects(b), (a, b)
-    roots = [k for k in tree.model.roots() if k in tree._labels]
-    assert any(tree._labels[k].isVisible() for k in roots)
-    tree.plot.getViewBox().scaleBy((0.3, 1.0))  # zoom in along the chains
-    after = shown()
-    for i, a in enumerate(after):
-        for b in after[i + 1 :]:
-            assert not a.intersects(b), (a, b)
-    # more room per node: the labels show more of their text
-    assert sum(r.width() for r in after) / len(after) > sum(r.width() for r in before) / len(before)
 
 
 def test_feed_brings_one_view_up_to_date_per_tick(qtbot):
