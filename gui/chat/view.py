@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QKeyEvent
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -502,13 +502,20 @@ class ChatView(QWidget):
     # -- the context gauge ------------------------------------------------------------
 
     def refresh_gauge(self) -> None:
-        """Count the next send (the chat under its policy, plus what is typed)."""
+        """Count the next send (the chat under its policy, plus what is typed). Not
+        while hidden: a closed window has closed its store too; showing counts again."""
         self._gauge_timer.stop()
+        if not self.isVisible():
+            return
         if self.conversation_id is None:
             self.gauge.show_plan(None)
             return
         plan = self.controller.preview(self.conversation_id, self.input.toPlainText())
         self.gauge.show_plan(plan, self.gauge.free_tokens)
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
+        super().showEvent(event)
+        self._gauge_timer.start()
 
     def _on_snapshot(self, snapshot: Any) -> None:
         """The room the cache has now, for the gauge; not while this chat's own reply
