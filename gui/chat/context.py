@@ -173,7 +173,9 @@ class ContextWindow:
 
     @property
     def bound_by(self) -> str:
-        return "the KV cache" if self.cache_tokens <= self.model_tokens else "the model's context"
+        if self.cache_tokens <= self.model_tokens:
+            return "the size of the KV cache"
+        return "the model's context length"
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,8 @@ class ContextPlan:
         bound = self.window.bound_by
         if self.outcome is Outcome.STOPPED:
             return (
-                f"This chat no longer fits: it has {self.prompt_tokens:,} tokens, and with "
-                f"room for a reply one job holds at most {limit} ({bound}). Its context "
+                f"This chat no longer fits: it has {self.prompt_tokens:,} tokens, and one "
+                f"job holds at most {limit}, reply included ({bound}). Its context "
                 f'policy is "{self.policy.label}": start a new chat, pick "Truncate the '
                 'middle" or "Rolling window" under System prompt and sampling to leave '
                 "earlier turns out, or give the KV cache a bigger budget in File > Engine "

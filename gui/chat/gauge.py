@@ -38,8 +38,8 @@ def gauge_text(plan: ContextPlan | None, free_tokens: int | None = None) -> tupl
         return f"{plan.prompt_tokens:,} tokens + up to {reply:,} for the reply, {of}", Level.OK
     if plan.outcome is Outcome.SHORTENED:
         return (
-            f"{plan.prompt_tokens:,} tokens + up to {reply:,} for the reply (not "
-            f"{plan.requested_reply:,}: the chat fills the rest), {of}",
+            f"{plan.prompt_tokens:,} tokens + up to {reply:,} for the reply "
+            f"({plan.requested_reply:,} asked for: the chat fills the rest), {of}",
             Level.OK,
         )
     if plan.outcome is Outcome.DROPPED:

@@ -131,7 +131,7 @@ def test_the_model_context_bounds_the_plan_as_the_cache_does():
     roomy = planner.plan(None, entries, ContextWindow(4096, 8192), MIDDLE, reply=64)
     tight = planner.plan(None, entries, ContextWindow(4096, 256), MIDDLE, reply=64)
     assert roomy.outcome is Outcome.FITS and tight.outcome is Outcome.DROPPED
-    assert tight.window.bound_by == "the model's context"
+    assert tight.window.bound_by == "the model's context length"
     assert tight.prompt_tokens + tight.reply_tokens <= 256
 
 

@@ -131,7 +131,7 @@ def test_the_reply_budget_shrinks_before_turns_drop_and_the_gauge_counts_the_job
     plan = type_and_count(qtbot, window, "Which ship came last?")
     assert plan.outcome is Outcome.SHORTENED and not plan.dropped_ids
     assert 256 <= plan.reply_tokens < 512
-    assert "not 512" in view.gauge.label.text()
+    assert "(512 asked for: the chat fills the rest)" in view.gauge.label.text()
     shot(qtbot, view.gauge, "/tmp/folio_17a_gauge_shortened.png")
     send_and_stop(qtbot, window)
     reply = window.store.transcript(view.conversation_id)[-1]
