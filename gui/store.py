@@ -32,18 +32,23 @@ from typing import Any
 
 from engine import paths
 
-SCHEMA_VERSION = 1  # PRAGMA user_version of a database with the schema below
+SCHEMA_VERSION = 2  # PRAGMA user_version of a database with the schema below
+# What a chat does once it outgrows the model's context (gui/chat/context.py's
+# ContextPolicy values); chats stored before the policy existed get it too.
+DEFAULT_CONTEXT_POLICY = "truncate_middle"
 DATABASE_NAME = "chats.sqlite3"
 IN_MEMORY = Path(":memory:")
 # Another Folio's write holds the lock for milliseconds; waiting longer means it is stuck.
 BUSY_TIMEOUT_S = 5.0
 
-_SCHEMA = """
+_POLICY_COLUMN = f"context_policy TEXT NOT NULL DEFAULT '{DEFAULT_CONTEXT_POLICY}'"
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY,
     title TEXT NOT NULL,
     system_prompt TEXT NOT NULL DEFAULT '',
-    sampling TEXT NOT NULL DEFAULT '{}',
+    sampling TEXT NOT NULL DEFAULT '{{}}',
+    {_POLICY_COLUMN},
     current_leaf INTEGER,
     created REAL NOT NULL,
     updated REAL NOT NULL
@@ -56,12 +61,16 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL DEFAULT '',
     complete INTEGER NOT NULL DEFAULT 1,
     error TEXT NOT NULL DEFAULT '',
-    stats TEXT NOT NULL DEFAULT '{}',
+    stats TEXT NOT NULL DEFAULT '{{}}',
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id);
 """
+# Each step brings a database of the version before it up to the next one.
+_MIGRATIONS = {
+    1: f"ALTER TABLE conversations ADD COLUMN {_POLICY_COLUMN};",
+}
 
 _MOVE = f"set {paths.DATA_DIR_VARIABLE} to a folder you can write to"
 
@@ -180,6 +189,7 @@ class Conversation:
     current_leaf: int | None
     created: float
     updated: float
+    context_policy: str = DEFAULT_CONTEXT_POLICY
 
 
 @dataclass
@@ -468,20 +478,24 @@ def _prepare(db: sqlite3.Connection, path: Path, read_only: bool) -> None:
     db.execute("PRAGMA foreign_keys=ON")
     version = int(db.execute("PRAGMA user_version").fetchone()[0])  # the first read
     if read_only:
-        if version < SCHEMA_VERSION:
-            # Nothing to show without the schema, and adding it would be a write.
+        if version < 1:
+            # Nothing to show without the schema, and adding it would be a write. An
+            # older schema is read as it is (`_conversation` fills in what it lacks).
             raise StoreError(path, StoreProblem.UNAVAILABLE, "it holds no chats", "open")
         return
     if version > SCHEMA_VERSION:
         raise StoreError(path, StoreProblem.NEWER, action="open")
     if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
         db.execute("PRAGMA journal_mode=WAL")
-    if version < SCHEMA_VERSION:
+    if version == 0:
         db.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+    elif version < SCHEMA_VERSION:
+        steps = "".join(_MIGRATIONS[v] for v in range(version, SCHEMA_VERSION))
+        db.executescript(f"BEGIN IMMEDIATE;{steps}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
 
 
 def _update_conversation(db: sqlite3.Connection, conversation_id: int, fields: dict) -> None:
-    allowed = {"title", "system_prompt", "sampling", "current_leaf"}
+    allowed = {"title", "system_prompt", "sampling", "context_policy", "current_leaf"}
     unknown = set(fields) - allowed
     if unknown:
         raise ValueError(f"unknown conversation fields: {sorted(unknown)}")
@@ -504,6 +518,10 @@ def _conversation(row: sqlite3.Row) -> Conversation:
         current_leaf=row["current_leaf"],
         created=row["created"],
         updated=row["updated"],
+        # absent from a version 1 database opened read-only (nothing may migrate it)
+        context_policy=(
+            row["context_policy"] if "context_policy" in row.keys() else DEFAULT_CONTEXT_POLICY
+        ),
     )
 
 

@@ -77,6 +77,12 @@ QLabel#status {{ color: {c.status}; }}
 QToolButton, QPushButton#flat {{ border: none; color: {c.link}; padding: 1px 4px; }}
 QToolButton:hover, QPushButton#flat:hover {{ text-decoration: underline; }}
 QToolButton:disabled {{ color: {c.disabled}; }}
+QLabel#gauge {{ color: {pal.muted_text}; }}
+QLabel#gauge[level="warn"] {{ color: {c.status}; }}
+QLabel#gauge[level="blocked"] {{ color: {c.status}; font-weight: 600; }}
+QLabel#outside {{ color: {pal.muted_text}; font-style: italic; }}
+QFrame#bubble_user[outside="true"] QLabel, QFrame#bubble_assistant[outside="true"] QLabel {{
+    color: {pal.muted_text}; }}
 """
 
 
@@ -234,8 +240,10 @@ class MessageBubble(QFrame):
         small = QFont(self.figures.font())
         small.setPointSizeF(max(7.0, small.pointSizeF() * 0.88))
         self.figures.setFont(small)
-        foot.addWidget(self.figures)
-        foot.addStretch(1)
+        # Wrapped: a long figures line (disk restores, a cut reply) must not make the
+        # whole chat wider than its pane.
+        self.figures.setWordWrap(True)
+        foot.addWidget(self.figures, 1)
         self.action_buttons: dict[str, QToolButton] = {}
         actions = ["edit"] if role == "user" else ["copy", "regenerate"]
         for name in actions:
@@ -259,7 +267,7 @@ class MessageBubble(QFrame):
         self.expand_button.setText("Show all")
         self.expand_button.setVisible(False)
         self.expand_button.clicked.connect(self._expand)
-        foot.insertWidget(2, self.expand_button)
+        foot.insertWidget(1, self.expand_button)
         self.save_button = QPushButton("Save && send")
         self.cancel_button = QPushButton("Cancel")
         self.save_button.clicked.connect(self._finish_edit)

@@ -25,6 +25,7 @@ from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
 from gui.bridge import EngineBridge
+from gui.chat.context import ContextPlan, ContextPlanner, ContextPolicy, ContextWindow, Entry
 from gui.store import Message, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Generation:
     status: str = "queued"
     dirty: set[int] = field(default_factory=set)  # sample indices not yet saved
     changed: bool = True  # text or status changed since the view last looked
+    context: dict[str, Any] = field(default_factory=dict)  # `context_figures` of its plan
 
 
 @dataclass
@@ -110,6 +112,22 @@ def sampling_from(settings: dict[str, Any]) -> tuple[SamplingSettings, int]:
     return sampling, int(merged["max_new_tokens"])
 
 
+class ContextRefused(ValueError):
+    """The chat does not fit and its policy sends nothing; the message says what to do."""
+
+
+def context_figures(plan: ContextPlan) -> dict[str, Any]:
+    """What a reply's stats keep of its job's plan: the chat view marks the messages the
+    job left out, and says how the reply budget was cut."""
+    return {
+        "policy": plan.policy.value,
+        "dropped": list(plan.dropped_ids),
+        "reply_tokens": plan.reply_tokens,
+        "requested_reply": plan.requested_reply,
+        "limit": plan.window.limit,
+    }
+
+
 def figures_of(result: JobResult, index: int = 0) -> dict[str, Any]:
     """Per-message figures from a job result (per sample for n > 1)."""
     new = len(result.token_ids[index]) if index < len(result.token_ids) else result.new_tokens
@@ -151,6 +169,8 @@ class ChatController(QObject):
         self._by_message: dict[int, Generation] = {}
         self.failures: dict[int, SaveFailure] = {}  # by conversation id
         self.unsaved: dict[int, UnsavedReply] = {}  # by message id
+        self._planner: ContextPlanner | None = None
+        self._planned_for: object = None  # the tokenizer `_planner` counts with
         bridge.job_events.connect(self.on_job_events)
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -269,27 +289,88 @@ class ChatController(QObject):
 
     # -- jobs -------------------------------------------------------------------------
 
-    def request_for(self, conversation_id: int, leaf: Message, n: int) -> JobRequest:
+    def request_for(
+        self, conversation_id: int, leaf: Message, n: int
+    ) -> tuple[JobRequest, ContextPlan | None]:
+        """The job answering `leaf`: the chat's messages as its context policy keeps
+        them, and the reply budget that leaves room for (with the plan; None without a
+        tokenizer). Raises ContextRefused when the policy sends nothing."""
         conv = self.store.conversation(conversation_id)
-        messages: list[dict[str, str]] = []
-        if conv.system_prompt.strip():
-            messages.append({"role": "system", "content": conv.system_prompt})
-        path = self.store.transcript(conversation_id, leaf.id)
+        sampling, max_new = sampling_from(conv.sampling)
+        entries = self._entries(conversation_id, leaf.id)
+        plan = self.plan(conversation_id, entries, n)
+        if plan is None:  # no tokenizer to count with: the engine judges the whole chat
+            messages = [*_system_message(conv.system_prompt), *(e.message for e in entries)]
+        elif not plan.sends:
+            raise ContextRefused(plan.refusal())
+        else:
+            messages, max_new = list(plan.messages), plan.reply_tokens
+        request = JobRequest(
+            messages=[dict(m) for m in messages],
+            sampling=sampling,
+            max_new_tokens=max_new,
+            n=n,
+            tag=conversation_id,
+        )
+        return request, plan
+
+    def preview(self, conversation_id: int, draft: str = "", n: int = 1) -> ContextPlan | None:
+        """The plan of the next send: the chat below its current leaf plus `draft` as the
+        new message (None without a model, or with nothing to send)."""
+        leaf = self.store.conversation(conversation_id).current_leaf
+        entries = self._entries(conversation_id, leaf)
+        if draft.strip():
+            entries.append(Entry(None, {"role": "user", "content": draft.strip()}))
+        return self.plan(conversation_id, entries, n) if entries else None
+
+    def plan(self, conversation_id: int, entries: list[Entry], n: int = 1) -> ContextPlan | None:
+        window = self.context_window(conversation_id, n)
+        planner = self._context_planner()
+        if window is None or planner is None:
+            return None
+        conv = self.store.conversation(conversation_id)
+        _, max_new = sampling_from(conv.sampling)
+        system = _system_message(conv.system_prompt)
+        policy = ContextPolicy.parse(conv.context_policy)
+        return planner.plan(system[0] if system else None, entries, window, policy, max_new)
+
+    def context_window(self, conversation_id: int, n: int = 1) -> ContextWindow | None:
+        """What one job of this chat may hold: the whole cache, less the pages each extra
+        sample copies for its own reply (docs/ENGINE.md §8: the samples share the
+        prompt's full pages only; `Scheduler.check_fits` counts the same), and the
+        model's trained context."""
+        engine, loaded = self.bridge.engine, self.bridge.loaded
+        if engine is None or loaded is None:
+            return None
+        page_size = engine.cache.page_size
+        cache = engine.cache.num_pages * page_size
+        if n > 1:
+            _, max_new = sampling_from(self.store.conversation(conversation_id).sampling)
+            own_pages = -(-max_new // page_size) + 1
+            cache -= (n - 1) * own_pages * page_size
+        return ContextWindow(max(cache, 0), int(loaded.config.max_position_embeddings))
+
+    def _context_planner(self) -> ContextPlanner | None:
+        tokenizer = self.bridge.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "has_chat_template", False):
+            return None
+        if tokenizer is not self._planned_for:
+            self._planner = ContextPlanner.for_tokenizer(tokenizer)
+            self._planned_for = tokenizer
+        return self._planner
+
+    def _entries(self, conversation_id: int, leaf_id: int | None) -> list[Entry]:
+        """The transcript to `leaf_id` as the model sees it, system prompt aside."""
+        path = self.store.transcript(conversation_id, leaf_id) if leaf_id is not None else []
+        entries: list[Entry] = []
         for i, m in enumerate(path):
             answered_by_error = i + 1 < len(path) and bool(path[i + 1].error)
             # A turn that ended in an error bubble (a prompt too long for the cache, say)
             # stays on screen but is left out of the context, or it would fail again.
             if m.role in ("user", "assistant") and not m.error and m.content:
                 if not answered_by_error:
-                    messages.append({"role": m.role, "content": m.content})
-        sampling, max_new = sampling_from(conv.sampling)
-        return JobRequest(
-            messages=messages,
-            sampling=sampling,
-            max_new_tokens=max_new,
-            n=n,
-            tag=conversation_id,
-        )
+                    entries.append(Entry(m.id, {"role": m.role, "content": m.content}))
+        return entries
 
     def _answer(self, conversation_id: int, parent: Message, n: int) -> int | None:
         n = max(1, int(n))
@@ -315,13 +396,14 @@ class ChatController(QObject):
             self.conversation_changed.emit(conversation_id)
             return None
         try:
-            request = self.request_for(conversation_id, parent, n)
+            request, plan = self.request_for(conversation_id, parent, n)
             handle = self.bridge.submit(request)
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error bubble
             if not isinstance(exc, (ValueError, RuntimeError)):  # not the documented ones
                 log.exception("submitting a chat job failed")
             message = str(exc) or type(exc).__name__
-            message = with_advice(message, refused_advice(message))
+            if not isinstance(exc, ContextRefused):  # that one says what to do already
+                message = with_advice(message, refused_advice(message))
             for reply in replies:
                 self._complete(conversation_id, reply.id, "", message, {})
             self.conversation_changed.emit(conversation_id)
@@ -332,7 +414,15 @@ class ChatController(QObject):
             conversation_id=conversation_id,
             message_ids=[m.id for m in replies],
             texts=[""] * n,
+            context=context_figures(plan) if plan is not None else {},
         )
+        if gen.context:
+            # Stored now, so the view marks what the job leaves out while it streams.
+            for reply in replies:
+                try:
+                    self.store.update_message(reply.id, stats={"context": gen.context})
+                except StoreError as exc:
+                    self._store_failed(conversation_id, exc)
         self.generations[handle.job_id] = gen
         for mid in gen.message_ids:
             self._by_message[mid] = gen
@@ -371,11 +461,11 @@ class ChatController(QObject):
         for i, mid in enumerate(gen.message_ids):
             text = gen.texts[i]
             error = ""
-            stats: dict[str, Any] = {}
+            stats: dict[str, Any] = {"context": gen.context} if gen.context else {}
             if result is not None:
                 if i < len(result.texts) and result.texts[i]:
                     text = result.texts[i]
-                stats = figures_of(result, i)
+                stats.update(figures_of(result, i))
                 if result.eos_reason == "error":
                     failed = result.error or "the engine failed"
                     error = with_advice(failed, FAILED_ADVICE)
@@ -456,6 +546,10 @@ class ChatController(QObject):
         self.conversation_changed.emit(conversation_id)
         if not self.failures:
             self.saving_changed.emit("")
+
+
+def _system_message(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": prompt}] if prompt.strip() else []
 
 
 def _title_from(text: str, limit: int = 40) -> str:

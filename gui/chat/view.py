@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QKeyEvent
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QShowEvent
 from PySide6.QtWidgets import (
+    QComboBox,
     QDoubleSpinBox,
     QFormLayout,
     QFrame,
@@ -29,12 +30,15 @@ from PySide6.QtWidgets import (
 )
 
 from gui.chat.bubble import MessageBubble, bubble_style, notice_bubble
+from gui.chat.context import DEFAULT_POLICY, ContextPolicy
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
+from gui.chat.gauge import REFRESH_MS, ContextGauge
 from gui.chat.presets import PresetPicker, PresetStore
 from gui.palette import palette_for
-from gui.store import Store, StoreError
+from gui.store import Message, Store, StoreError
 
 RENDER_INTERVAL_MS = 100  # streaming re-render throttle
+AT_BOTTOM_PX = 40  # this close to the end counts as reading the newest message
 
 
 class ChatInput(QPlainTextEdit):
@@ -106,6 +110,24 @@ class ConversationSettings(QFrame):
             row.addWidget(widget)
         row.addStretch(1)
         form.addRow("Sampling", row)
+        self.policy = QComboBox()
+        for policy in ContextPolicy:
+            self.policy.addItem(policy.label, policy.value)
+            self.policy.setItemData(
+                self.policy.count() - 1, policy.description, Qt.ItemDataRole.ToolTipRole
+            )
+        self.policy.setToolTip(
+            "What to send once the chat outgrows what the model can hold (the KV cache or "
+            "the model's context). The reply budget shrinks first; earlier turns stay in "
+            "the chat either way."
+        )
+        self.policy_hint = QLabel()
+        self.policy_hint.setObjectName("hint")
+        self.policy_hint.setWordWrap(True)
+        policy_row = QHBoxLayout()
+        policy_row.addWidget(self.policy)
+        policy_row.addWidget(self.policy_hint, 1)
+        form.addRow("Long chats", policy_row)
         outer.addWidget(self.panel)
         self.panel.setVisible(False)
         for spin in (self.temperature, self.top_p, self.repetition):
@@ -114,6 +136,7 @@ class ConversationSettings(QFrame):
         self.max_tokens.valueChanged.connect(self._emit)
         self.seed.textChanged.connect(self._emit)
         self.system_prompt.textChanged.connect(self._emit)
+        self.policy.currentIndexChanged.connect(self._emit)
         self._loading = False
 
     def _add_preset_row(self, form: QFormLayout) -> None:
@@ -139,7 +162,12 @@ class ConversationSettings(QFrame):
         if not self._loading:
             self.changed.emit()
 
-    def load(self, system_prompt: str, sampling: dict[str, Any]) -> None:
+    def load(
+        self,
+        system_prompt: str,
+        sampling: dict[str, Any],
+        policy: ContextPolicy = DEFAULT_POLICY,
+    ) -> None:
         self._loading = True
         try:
             merged = {**DEFAULT_SAMPLING, **sampling}
@@ -150,6 +178,7 @@ class ConversationSettings(QFrame):
             self.repetition.setValue(float(merged["repetition_penalty"]))
             self.max_tokens.setValue(int(merged["max_new_tokens"]))
             self.seed.setText("" if merged["seed"] is None else str(merged["seed"]))
+            self.policy.setCurrentIndex(self.policy.findData(policy.value))
         finally:
             self._loading = False
         self._update_summary()
@@ -165,12 +194,17 @@ class ConversationSettings(QFrame):
             "seed": int(seed) if seed.lstrip("-").isdigit() else None,
         }
 
+    def context_policy(self) -> ContextPolicy:
+        return ContextPolicy(self.policy.currentData())
+
     def _update_summary(self) -> None:
         prompt = " ".join(self.system_prompt.toPlainText().split())
         prompt = (prompt[:60] + "…") if len(prompt) > 60 else prompt
+        policy = self.context_policy()
+        self.policy_hint.setText(policy.description)
         self.summary.setText(
             f"{prompt or 'no system prompt'} · temp {self.temperature.value():g}"
-            f" · max {self.max_tokens.value()} tokens"
+            f" · max {self.max_tokens.value()} tokens · long chats: {policy.label.lower()}"
         )
 
 
@@ -193,6 +227,12 @@ class ChatView(QWidget):
         self.conversation_id: int | None = None
         self.bubbles: dict[int, MessageBubble] = {}
         self.notice: MessageBubble | None = None  # why the last change is not on disk
+        # "N earlier messages are outside the model's context", one per left-out run
+        self.outside_markers: list[QLabel] = []
+        # Keep the newest message in view as content grows; off once the user scrolls
+        # up, on again when they scroll back down, open a chat or send.
+        self.follow = True
+        self._hold: int | None = None  # where a reader who scrolled up stays over a rebuild
         self._pinned_dark: bool | None = None
         self.set_dark(None)
         if QGuiApplication.instance() is not None:
@@ -218,8 +258,16 @@ class ChatView(QWidget):
         self.messages_layout.setContentsMargins(4, 4, 4, 4)
         self.messages_layout.setSpacing(8)
         self.messages_layout.addStretch(1)
+        # An explicit minimum keeps the layout from setting its own, which adds up each
+        # bubble at its narrowest (text wrapped at a few words a line): taller than the
+        # bubbles at the real width, so the scroll area would end in blank space and a
+        # chat opened at its newest message would show nothing.
+        self.messages_widget.setMinimumHeight(1)
         self.scroll.setWidget(self.messages_widget)
         layout.addWidget(self.scroll, 1)
+        bar = self.scroll.verticalScrollBar()
+        bar.rangeChanged.connect(self._on_scroll_range)
+        bar.actionTriggered.connect(self._on_user_scroll)
         self.empty_hint = QLabel("Type a message below. Enter sends, Shift+Enter adds a line.")
         self.empty_hint.setObjectName("hint")
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
@@ -251,6 +299,8 @@ class ChatView(QWidget):
         bottom.addWidget(self.input, 1)
         bottom.addLayout(buttons)
         layout.addLayout(bottom)
+        self.gauge = ContextGauge()
+        layout.addWidget(self.gauge)
 
         self.input.submitted.connect(lambda: self.send())
         self.send_button.clicked.connect(lambda: self.send())
@@ -263,6 +313,15 @@ class ChatView(QWidget):
         self._save_settings_timer.setInterval(400)
         self._save_settings_timer.timeout.connect(self.save_settings)
         self.settings.changed.connect(self._save_settings_timer.start)
+        self._gauge_timer = QTimer(self)
+        self._gauge_timer.setSingleShot(True)
+        self._gauge_timer.setInterval(REFRESH_MS)
+        self._gauge_timer.timeout.connect(self.refresh_gauge)
+        self.input.textChanged.connect(self._gauge_timer.start)
+        self.settings.changed.connect(self._gauge_timer.start)
+        bridge = controller.bridge
+        bridge.engine_ready.connect(lambda _info: self._gauge_timer.start())
+        bridge.snapshot_ready.connect(self._on_snapshot)
         self._render_timer = QTimer(self)
         self._render_timer.setInterval(RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self.render_streaming)
@@ -297,7 +356,10 @@ class ChatView(QWidget):
             self._clear()
             return
         conv = self.store.conversation(conversation_id)
-        self.settings.load(conv.system_prompt, conv.sampling)
+        self.settings.load(
+            conv.system_prompt, conv.sampling, ContextPolicy.parse(conv.context_policy)
+        )
+        self.follow = True  # a chat opens on its newest message
         self.reload()
 
     def save_settings(self) -> None:
@@ -305,14 +367,22 @@ class ChatView(QWidget):
         if self.conversation_id is None:
             return
         system_prompt, sampling = self.settings.values()
+        policy = self.settings.context_policy().value
         conv = self.store.conversation(self.conversation_id)
         # Unchanged settings are not written: closing the window then touches nothing,
         # which is what lets a read-only chat database close cleanly.
-        if (conv.system_prompt, conv.sampling) == (system_prompt, sampling):
+        if (conv.system_prompt, conv.sampling, conv.context_policy) == (
+            system_prompt,
+            sampling,
+            policy,
+        ):
             return
         try:
             self.store.update_conversation(
-                self.conversation_id, system_prompt=system_prompt, sampling=sampling
+                self.conversation_id,
+                system_prompt=system_prompt,
+                sampling=sampling,
+                context_policy=policy,
             )
         except StoreError as exc:
             self.controller.report_store_error(self.conversation_id, exc)
@@ -322,12 +392,13 @@ class ChatView(QWidget):
         shown = list(self.bubbles.values())
         if self.notice is not None:
             shown.append(self.notice)
-        for bubble in shown:
-            self.messages_layout.removeWidget(bubble)
-            bubble.hide()
-            bubble.deleteLater()
+        for widget in [*shown, *self.outside_markers]:
+            self.messages_layout.removeWidget(widget)
+            widget.hide()
+            widget.deleteLater()
         self.bubbles = {}
         self.notice = None
+        self.outside_markers = []
 
     def reload(self) -> None:
         """Rebuild the bubbles from the store (structure changed: new message, new
@@ -336,11 +407,14 @@ class ChatView(QWidget):
             return
         cid = self.conversation_id
         self.title.setText(self.store.conversation(cid).title)
-        at_bottom = self._at_bottom()
+        self._hold = None if self.follow else self.scroll.verticalScrollBar().value()
         self._clear()
         path = self.store.transcript(cid)
         self.empty_hint.setVisible(not path)
-        for stored in path:
+        outside = left_out(path)
+        for i, stored in enumerate(path):
+            if stored.id not in outside and i and path[i - 1].id in outside:
+                self._add_outside_marker(path, i, outside)
             msg = self.controller.shown(stored)
             versions = [m.id for m in self.store.siblings(msg)]
             bubble = MessageBubble(msg.id, msg.role, versions, dark=self.dark)
@@ -358,6 +432,9 @@ class ChatView(QWidget):
                 bubble.set_status(status)
             elif not msg.complete:
                 bubble.set_status("interrupted")
+            if msg.id in outside:
+                bubble.setProperty("outside", True)
+                bubble.setToolTip("Outside the model's context: the latest reply did not see it")
             self.messages_layout.insertWidget(self.messages_layout.count() - 1, bubble)
             self.bubbles[msg.id] = bubble
         failure = self.controller.failures.get(cid)
@@ -370,8 +447,28 @@ class ChatView(QWidget):
         if unsent and not self.input.toPlainText().strip():
             self.input.setPlainText(unsent)
         self._update_buttons()
-        if at_bottom or self.controller.is_generating(cid):
-            QTimer.singleShot(0, self._scroll_to_bottom)
+        self._gauge_timer.start()
+        if self.follow:
+            self._scroll_to_bottom()  # the range may not move (a reply's status changed)
+
+    def _add_outside_marker(self, path: list[Message], end: int, outside: set[int]) -> None:
+        """Below a run of left-out messages (ending before `end`), how many they are."""
+        start = end
+        while start > 0 and path[start - 1].id in outside:
+            start -= 1
+        n = end - start
+        marker = QLabel(
+            f"↑ {n} earlier message{'s are' if n != 1 else ' is'} outside the model's context"
+        )
+        marker.setObjectName("outside")
+        marker.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        marker.setToolTip(
+            "The latest reply was written without them, so the chat fits what the model "
+            "can hold (this chat's context policy, under System prompt and sampling). "
+            "They stay in the chat."
+        )
+        self.messages_layout.insertWidget(self.messages_layout.count() - 1, marker)
+        self.outside_markers.append(marker)
 
     def _on_conversation_changed(self, conversation_id: int) -> None:
         if conversation_id == self.conversation_id:
@@ -385,7 +482,6 @@ class ChatView(QWidget):
         changed = self.controller.take_changed(self.conversation_id)
         if not changed:
             return
-        at_bottom = self._at_bottom()
         for mid in changed:
             bubble = self.bubbles.get(mid)
             live = self.controller.live_text(mid)
@@ -394,16 +490,60 @@ class ChatView(QWidget):
             bubble.set_text(live)
             bubble.set_status(self.controller.status(mid))
         self._update_buttons()
-        if at_bottom:
-            QTimer.singleShot(0, self._scroll_to_bottom)
 
-    def _at_bottom(self) -> bool:
+    # -- scrolling ----------------------------------------------------------------------
+
+    def _on_scroll_range(self, _minimum: int, maximum: int) -> None:
+        """The messages grew or shrank: stay on the newest one while following, else
+        where the reader was (the bubbles' heights settle over a few layout passes after
+        a rebuild, and a shorter pass would move them)."""
         bar = self.scroll.verticalScrollBar()
-        return bar.value() >= bar.maximum() - 40
+        if self.follow:
+            bar.setValue(maximum)
+        elif self._hold is not None:
+            bar.setValue(self._hold)
+            if maximum >= self._hold:
+                self._hold = None
+
+    def _on_user_scroll(self, _action: int) -> None:
+        """The wheel, a drag, a key: only the user's own scrolling stops (or resumes)
+        following, never a range that moved under them. `sliderPosition` is where this
+        action is taking the bar."""
+        bar = self.scroll.verticalScrollBar()
+        self.follow = bar.sliderPosition() >= bar.maximum() - AT_BOTTOM_PX
+        self._hold = None
 
     def _scroll_to_bottom(self) -> None:
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    # -- the context gauge ------------------------------------------------------------
+
+    def refresh_gauge(self) -> None:
+        """Count the next send (the chat under its policy, plus what is typed). Not
+        while hidden: a closed window has closed its store too; showing counts again."""
+        self._gauge_timer.stop()
+        if not self.isVisible():
+            return
+        if self.conversation_id is None:
+            self.gauge.show_plan(None)
+            return
+        plan = self.controller.preview(self.conversation_id, self.input.toPlainText())
+        self.gauge.show_plan(plan, self.gauge.free_tokens)
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
+        super().showEvent(event)
+        self._gauge_timer.start()
+
+    def _on_snapshot(self, snapshot: Any) -> None:
+        """The room the cache has now, for the gauge; not while this chat's own reply
+        holds it (which is over before the next send)."""
+        cid = self.conversation_id
+        if cid is not None and self.controller.is_generating(cid):
+            self.gauge.set_free_tokens(None)
+            return
+        stats = snapshot.stats
+        self.gauge.set_free_tokens((stats.pages_free + stats.pages_cached) * snapshot.page_size)
 
     def _update_buttons(self) -> None:
         busy = self.conversation_id is not None and self.controller.is_generating(
@@ -423,6 +563,7 @@ class ChatView(QWidget):
             self._save_settings_timer.stop()
             self.save_settings()
         self.input.clear()
+        self.follow = True  # the new message and its reply come into view
         return self.controller.send(self.conversation_id, text, n=n)
 
     def stop(self) -> None:
@@ -434,3 +575,13 @@ class ChatView(QWidget):
 
     def _regenerate(self, message_id: int) -> None:
         self.controller.regenerate(message_id)
+
+
+def left_out(path: list[Message]) -> set[int]:
+    """Messages of `path` the latest job on it left out of the context (its policy's
+    doing), as that job's reply recorded them."""
+    for message in reversed(path):
+        context = message.stats.get("context")
+        if context:
+            return set(context.get("dropped", ()))
+    return set()

@@ -181,7 +181,7 @@ def test_bad_input_never_crashes(qtbot, window, tmp_path):
     view.input.setPlainText("lighthouse " * 1500)
     assert view.send() is None
     msgs = window.store.transcript(view.conversation_id)
-    assert msgs[-1].error and "pages" in msgs[-1].error
+    assert "too long" in msgs[-1].error and "Shorten it" in msgs[-1].error  # context policy
     assert bubbles(window)[-1].objectName() == "bubble_error"
     assert not window.controller.generations
     # a corrupt model file: a dialog with the loader's message; the engine keeps running

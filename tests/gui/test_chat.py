@@ -100,14 +100,32 @@ def test_bubbles_follow_the_theme(qtbot):
 
 
 class FakeBridge(QObject):
-    """The controller's side of `EngineBridge`: submit, cancel and the job events."""
+    """The chat's side of `EngineBridge`: submit, cancel, the job events, and no model
+    (the engine judges the whole chat), or a word tokenizer on a cache of
+    `cache_tokens` (`with_model`)."""
 
     job_events = Signal(list)
+    engine_ready = Signal(object)
+    snapshot_ready = Signal(object)
 
     def __init__(self):
         super().__init__()
         self.submitted: list = []
         self.refusal: Exception | None = None
+        self.engine = self.loaded = self.tokenizer = None
+
+    def with_model(self, cache_tokens: int, page_size: int = 32) -> None:
+        from tests.gui.test_context import word_template
+
+        self.engine = SimpleNamespace(
+            cache=SimpleNamespace(page_size=page_size, num_pages=cache_tokens // page_size)
+        )
+        self.loaded = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
+        self.tokenizer = SimpleNamespace(
+            has_chat_template=True,
+            encode_chat=word_template,
+            encode=lambda text, add_special_tokens=False: text.split(),
+        )
 
     def submit(self, request):
         if self.refusal is not None:
@@ -233,3 +251,166 @@ def test_a_message_the_store_refuses_goes_back_to_the_user(chat):
     assert "disk is full" in chat.controller.failures[conv.id].message
     assert chat.controller.take_unsent(conv.id) == text.strip()
     assert chat.controller.take_unsent(conv.id) == ""  # handed back once
+
+
+# -- a chat that outgrows the cache: its context policy -------------------------------
+
+
+def long_chat(store: Store, turns: int, words: int, policy: str = "truncate_middle") -> int:
+    """A stored chat of `turns` exchanges of `words` words each way."""
+    conv = store.create_conversation("Long", system_prompt="Be brief.")
+    store.update_conversation(conv.id, context_policy=policy)
+    parent = None
+    for t in range(turns):
+        q = store.add_message(conv.id, parent, "user", " ".join([f"q{t}"] * words))
+        parent = store.add_message(conv.id, q.id, "assistant", " ".join([f"a{t}"] * words)).id
+    return conv.id
+
+
+@pytest.mark.parametrize("policy", ["truncate_middle", "rolling_window"])
+def test_a_chat_past_the_cache_is_sent_with_earlier_turns_left_out(chat, policy):
+    chat.bridge.with_model(cache_tokens=1024)
+    cid = long_chat(chat.store, turns=8, words=100, policy=policy)
+    preview = chat.controller.preview(cid, "And then?")
+    job = chat.controller.send(cid, "And then?")
+    assert job is not None
+    request = chat.bridge.submitted[-1]
+    from tests.gui.test_context import word_template
+
+    assert len(word_template(request.messages)) == preview.prompt_tokens  # the gauge's count
+    assert request.max_new_tokens == preview.reply_tokens >= 256
+    assert preview.prompt_tokens + request.max_new_tokens <= 1024
+    path = chat.store.transcript(cid)
+    reply = path[-1]
+    dropped = reply.stats["context"]["dropped"]  # marked while it streams
+    assert dropped == list(preview.dropped_ids) and dropped
+    first_question = path[0].id
+    assert (first_question in dropped) is (policy == "rolling_window")
+    chat.controller.on_job_events(done(job, "Fine.", prompt_tokens=preview.prompt_tokens))
+    stats = chat.store.message(reply.id).stats
+    assert stats["context"]["dropped"] == dropped and stats["prompt_tokens"] > 0
+    assert len(chat.store.messages(cid)) == 2 * 8 + 2  # left out, not deleted
+
+
+def test_under_stop_a_chat_past_the_cache_says_what_to_do_and_sends_nothing(chat):
+    chat.bridge.with_model(cache_tokens=1024)
+    cid = long_chat(chat.store, turns=8, words=100, policy="stop")
+    assert chat.controller.send(cid, "And then?") is None
+    assert chat.bridge.submitted == []
+    reply = chat.store.transcript(cid)[-1]
+    assert reply.complete and "no longer fits" in reply.error
+    assert "Truncate the middle" in reply.error and "new chat" in reply.error
+
+
+def test_the_reply_budget_shrinks_before_any_turn_is_dropped(chat):
+    chat.bridge.with_model(cache_tokens=1024)
+    cid = long_chat(chat.store, turns=3, words=100)  # ~640 tokens: 512 more do not fit
+    chat.controller.send(cid, "And then?")
+    request = chat.bridge.submitted[-1]
+    assert 256 <= request.max_new_tokens < 512
+    assert len(request.messages) == 1 + 6 + 1  # system prompt, every turn, the question
+    assert chat.store.transcript(cid)[-1].stats["context"]["dropped"] == []
+
+
+@pytest.fixture
+def view(qtbot, chat):
+    from gui.chat.view import ChatView
+
+    widget = ChatView(chat.store, chat.controller)
+    qtbot.addWidget(widget)
+    widget.resize(700, 500)
+    widget.show()
+    return widget
+
+
+def test_dropped_messages_are_marked_in_the_chat(qtbot, chat, view):
+    chat.bridge.with_model(cache_tokens=1024)
+    cid = long_chat(chat.store, turns=8, words=100)
+    view.show_conversation(cid)
+    view.input.setPlainText("And then?")
+    view.refresh_gauge()
+    plan = chat.controller.preview(cid, "And then?")
+    n = len(plan.dropped_ids)
+    assert n and n % 2 == 0  # whole turns
+    assert f"Sending leaves {n} earlier messages out" in view.gauge.label.text()
+    assert view.gauge.count == plan.prompt_tokens and view.gauge.level.value == "warn"
+    view.send()
+    dropped = chat.store.transcript(cid)[-1].stats["context"]["dropped"]
+    assert dropped == list(plan.dropped_ids)
+    (marker,) = view.outside_markers
+    assert marker.text() == f"↑ {n} earlier messages are outside the model's context"
+    assert all(view.bubbles[mid].property("outside") for mid in dropped)
+    kept = [mid for mid in view.bubbles if mid not in dropped]
+    assert not any(view.bubbles[mid].property("outside") for mid in kept)
+    # the marker sits right below the last left-out message
+    layout = view.messages_layout
+    assert layout.indexOf(marker) == layout.indexOf(view.bubbles[dropped[-1]]) + 1
+
+
+def test_the_gauge_waits_for_typing_to_stop(qtbot, chat, view, monkeypatch):
+    """Tokenizing runs once after the keys, not once per key."""
+    chat.bridge.with_model(cache_tokens=1024)
+    cid = long_chat(chat.store, turns=2, words=20)
+    view.show_conversation(cid)
+    view.refresh_gauge()
+    calls = []
+    real = chat.controller.preview
+    monkeypatch.setattr(chat.controller, "preview", lambda *a: calls.append(a) or real(*a))
+    qtbot.keyClicks(view.input, "twenty characters!!!")
+    assert calls == []
+    qtbot.waitUntil(lambda: len(calls) == 1)
+    assert view.gauge.count == real(cid, "twenty characters!!!").prompt_tokens
+    assert view.gauge.label.text().startswith(f"{view.gauge.count:,} tokens + up to 512")
+
+
+# -- scrolling --------------------------------------------------------------------------
+
+
+def scroll_bar(view):
+    return view.scroll.verticalScrollBar()
+
+
+def at_end(view) -> bool:
+    bar = scroll_bar(view)
+    return bar.maximum() > 0 and bar.value() == bar.maximum()
+
+
+def test_a_chat_opens_on_its_newest_message(qtbot, chat, view):
+    cid = long_chat(chat.store, turns=15, words=60)
+    other = long_chat(chat.store, turns=15, words=60)
+    view.show_conversation(cid)
+    qtbot.waitUntil(lambda: at_end(view))
+    scroll_bar(view).triggerAction(scroll_bar(view).SliderAction.SliderToMinimum)
+    view.show_conversation(other)  # read from the top before: still opens at the end
+    qtbot.waitUntil(lambda: at_end(view))
+
+
+def test_sending_follows_the_reply_unless_the_user_scrolled_up(qtbot, chat, view):
+    cid = long_chat(chat.store, turns=15, words=60)
+    view.show_conversation(cid)
+    qtbot.waitUntil(lambda: at_end(view))
+    bar = scroll_bar(view)
+    bar.triggerAction(bar.SliderAction.SliderToMinimum)  # the user reads the start
+    view.input.setPlainText("Tell me more.")
+    job = view.send()
+    qtbot.waitUntil(lambda: at_end(view))  # the new message and reply come into view
+    stream = "A line of the reply.\n\n"
+    for _ in range(3):
+        chat.controller.on_job_events([JobEvent(job, EventKind.STREAMING, text=stream * 5)])
+        end = bar.maximum()
+        view.render_streaming()
+        qtbot.waitUntil(lambda end=end: bar.maximum() > end and at_end(view))
+    bar.triggerAction(bar.SliderAction.SliderPageStepSub)  # up a page: stays put
+    held = bar.value()
+    assert held < bar.maximum() and not view.follow
+    for _ in range(2):
+        end = bar.maximum()
+        chat.controller.on_job_events([JobEvent(job, EventKind.STREAMING, text=stream * 5)])
+        view.render_streaming()
+        qtbot.waitUntil(lambda end=end: bar.maximum() > end)
+        assert bar.value() == held
+    chat.controller.on_job_events(done(job, ""))  # the reply finishes: the view rebuilds
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and not view.controller.generations)
+    assert bar.value() == held
+    bar.triggerAction(bar.SliderAction.SliderToMaximum)  # back at the end: follows again
+    assert view.follow

@@ -9,7 +9,14 @@ import sqlite3
 import pytest
 
 from engine.paths import data_dir
-from gui.store import SCHEMA_VERSION, Store, StoreError, StoreMode, StoreProblem
+from gui.store import (
+    DEFAULT_CONTEXT_POLICY,
+    SCHEMA_VERSION,
+    Store,
+    StoreError,
+    StoreMode,
+    StoreProblem,
+)
 
 
 def test_versions_and_transcripts(tmp_path):
@@ -240,3 +247,59 @@ def test_a_temporary_store_is_gone_after_close():
     assert folder.is_dir()
     store.close()
     assert not folder.exists()
+
+
+# -- the context policy column (schema version 2) -------------------------------------
+
+_VERSION_1 = """
+CREATE TABLE conversations (id INTEGER PRIMARY KEY, title TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '', sampling TEXT NOT NULL DEFAULT '{}',
+    current_leaf INTEGER, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE, role TEXT NOT NULL,
+    content TEXT NOT NULL DEFAULT '', complete INTEGER NOT NULL DEFAULT 1,
+    error TEXT NOT NULL DEFAULT '', stats TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL);
+INSERT INTO conversations VALUES (1, 'Trip', 'Be brief.', '{}', 2, 0, 0);
+INSERT INTO messages VALUES (1, 1, NULL, 'user', 'Where to?', 1, '', '{}', 0);
+INSERT INTO messages VALUES (2, 1, 1, 'assistant', 'Lisbon.', 1, '', '{}', 0);
+PRAGMA user_version = 1;
+"""
+
+
+def a_version_1_database(path) -> None:
+    """A chat database as Folio wrote it before chats had a context policy."""
+    db = sqlite3.connect(path)
+    db.executescript(_VERSION_1)
+    db.close()
+
+
+def test_a_version_1_database_gets_the_policy_column_and_keeps_its_chats(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    a_version_1_database(path)
+    store = Store(path)
+    conv = store.conversation(1)
+    assert conv.context_policy == DEFAULT_CONTEXT_POLICY == "truncate_middle"
+    assert [m.content for m in store.transcript(1)] == ["Where to?", "Lisbon."]
+    store.update_conversation(1, context_policy="stop")
+    assert store.conversation(1).context_policy == "stop"
+    new = store.create_conversation("New")
+    assert new.context_policy == DEFAULT_CONTEXT_POLICY
+    store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    db.close()
+    assert Store(path).conversation(1).context_policy == "stop"  # and it stays
+
+
+def test_a_version_1_database_opened_read_only_shows_the_default_policy(tmp_path):
+    """Read-only, nothing may migrate it: its chats read with the default policy."""
+    path = tmp_path / "chats.sqlite3"
+    a_version_1_database(path)
+    before = path.read_bytes()
+    why = StoreError(tmp_path, StoreProblem.READ_ONLY)
+    store = Store(path, read_only_because=why)
+    assert store.conversation(1).context_policy == DEFAULT_CONTEXT_POLICY
+    assert [m.content for m in store.transcript(1)] == ["Where to?", "Lisbon."]
+    store.close()
+    assert path.read_bytes() == before
