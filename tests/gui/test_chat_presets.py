@@ -23,6 +23,7 @@ def view(qtbot, tmp_path):
     conv = store.create_conversation()
     view.show_conversation(conv.id)
     yield view
+    view.save_settings()  # as the window does on close: no save left pending
     store.close()
 
 
@@ -43,7 +44,9 @@ def test_a_builtin_preset_fills_the_prompt_and_is_sent(view):
     view.save_settings()
     cid = view.conversation_id
     assert view.store.conversation(cid).system_prompt == coding.system_prompt
-    request = view.controller.request_for(cid, view.store.add_message(cid, None, "user", "hi"), 1)
+    request, _ = view.controller.request_for(
+        cid, view.store.add_message(cid, None, "user", "hi"), 1
+    )
     assert request.messages[0] == {"role": "system", "content": coding.system_prompt}
     view.settings.system_prompt.setPlainText(coding.system_prompt + " Use Python.")
     assert picker.combo.currentText() == "Custom"
