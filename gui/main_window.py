@@ -27,6 +27,7 @@ from PySide6.QtGui import (
     QShortcut,
 )
 from PySide6.QtWidgets import (
+    QDialog,
     QDockWidget,
     QFileDialog,
     QHBoxLayout,
@@ -56,7 +57,8 @@ from gui.chat.export import ExportError, ask_export_path, export_chat
 from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
-from gui.palette import API_COLOR
+from gui.help_dialog import MemoryHelpDialog, ShortcutsDialog
+from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
 from gui.store import Store, StoreError, StoreMode
@@ -177,6 +179,7 @@ class MainWindow(QMainWindow):
         self.server_dialog: ServerDialog | None = None  # built on first use
         self._served_model: str | None = None  # what the server served last, while on
         self.error_dialog: QMessageBox | None = None
+        self.memory_help: QDialog | None = None  # built on first use
         self.data_folder_dialog: QMessageBox | None = None
         self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
         self.model_info: ModelInfo | None = None
@@ -208,6 +211,7 @@ class MainWindow(QMainWindow):
 
         self._build_status_bar()
         self._build_actions()
+        self._build_help_and_keys()
 
         self.chats.new_button.clicked.connect(lambda: self.new_conversation())
         self.chats.search.textChanged.connect(lambda _: self.refresh_conversations())
@@ -296,6 +300,7 @@ class MainWindow(QMainWindow):
         models_action.setShortcut(QKeySequence("Ctrl+M"))
         models_action.triggered.connect(self.open_models)
         settings_action = QAction("Engine &settings…", self)
+        settings_action.setShortcut(QKeySequence("Ctrl+,"))
         settings_action.triggered.connect(self.open_settings)
         self.server_action = QAction("&Local server…", self)
         self.server_action.setToolTip("Serve the model to other programs (OpenAI API)")
@@ -333,6 +338,43 @@ class MainWindow(QMainWindow):
         self.addAction(self.stop_action)
         self._delete_shortcut = QShortcut(QKeySequence.StandardKey.Delete, self.chats.list)
         self._delete_shortcut.activated.connect(lambda: self.delete_conversation())
+
+    def _build_help_and_keys(self) -> None:
+        """Ctrl+F to the chat search, a key for the memory panel, and the Help menu.
+        Window-wide actions, so they work from the message box too."""
+        find = QAction("&Search chats", self)
+        find.setShortcut(QKeySequence("Ctrl+F"))
+        find.triggered.connect(self.focus_search)
+        self.addAction(find)
+        for top in self.menuBar().actions():
+            if top.text() == "&Chat":
+                top.menu().addAction(find)
+        self.memory_dock.toggleViewAction().setShortcut(QKeySequence("Ctrl+Shift+M"))
+        self.addAction(self.memory_dock.toggleViewAction())  # works while the dock is hidden
+        self._delete_shortcut.setWhatsThis("Delete the selected chat (in the chat list)")
+        help_menu = self.menuBar().addMenu("&Help")
+        shortcuts = help_menu.addAction("&Keyboard shortcuts…", self.open_shortcuts)
+        shortcuts.setShortcut(QKeySequence("Ctrl+/"))
+        explain = help_menu.addAction("&What am I looking at?", self.open_memory_help)
+        explain.setShortcut(QKeySequence(Qt.Key.Key_F1))
+
+    def focus_search(self) -> None:
+        self.chats.search.setFocus(Qt.FocusReason.ShortcutFocusReason)
+        self.chats.search.selectAll()
+
+    def open_shortcuts(self) -> QDialog:
+        dialog = ShortcutsDialog(self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        return dialog
+
+    def open_memory_help(self) -> QDialog:
+        """Modeless and one for the window, so it can stay open beside the views."""
+        if self.memory_help is None:
+            self.memory_help = MemoryHelpDialog(self)
+        pal = getattr(self.memory_panel, "palette_", None) or palette_for()
+        self.memory_help.show_for(pal, self.engine_settings.page_size)
+        return self.memory_help
 
     def _connect_memory_panel(self) -> None:
         panel = self.memory_panel
