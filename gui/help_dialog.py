@@ -9,6 +9,7 @@ palette the views use, so it reads as the same language as the pictures it expla
 
 from __future__ import annotations
 
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -80,6 +81,7 @@ class ShortcutsDialog(QDialog):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
         self.table.setShowGrid(False)
+        self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.table.setAlternatingRowColors(True)
         for r, (what, keys) in enumerate(rows):
             self.table.setItem(r, 0, QTableWidgetItem(what))
@@ -113,6 +115,8 @@ def _swatch(color: str, pal: Palette, mark: str = "") -> str:
         return f"<span style='color:{pal.evict}'>□</span>"
     if mark == "dot":
         return f"<span style='{style}'>▣</span>"
+    if mark == "fill":
+        return f"<span style='{style}'>▄</span>"
     if mark == "corner":
         return f"<span style='color:{pal.disk}'>◤</span>"
     return f"<span style='{style}'>■</span>"
@@ -163,7 +167,7 @@ cell is one page. Hover a cell for its details; click it to see the prompt it be
     }
 {
         item(
-            _swatch(pal.cached, pal),
+            _swatch(pal.cached, pal, "fill"),
             "fill",
             "the solid part of a cell is the tokens written; the pale rest is room left.",
         )
@@ -224,7 +228,7 @@ class MemoryHelpDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
-        self.resize(600, 720)
+        self.resize(600, 680)
 
     def show_for(self, pal: Palette, page_size: int | None) -> None:
         """Show the page in the views' current palette and page size (either may have
