@@ -122,79 +122,77 @@ def _swatch(color: str, pal: Palette, mark: str = "") -> str:
     return f"<span style='{style}'>■</span>"
 
 
+# The page map's legend entries: (palette colour, swatch mark, word, what it means).
+_PAGE_MAP_ENTRIES = (
+    ("free", "", "free", "empty, ready for any chat."),
+    (
+        "in_use",
+        "",
+        "in use",
+        "held by a chat that is answering; each chat has its own colour, named in the"
+        " legend (“API” is requests to the local server).",
+    ),
+    (
+        "cached",
+        "",
+        "cached",
+        "no chat holds it now; it is kept so a prompt that starts the same way is not"
+        " computed again. Cached pages are reused when memory runs short.",
+    ),
+    (
+        "in_use",
+        "dot",
+        "shared",
+        "a dot: several chats read this page at once (the same system prompt, say).",
+    ),
+    (
+        "evict",
+        "frame",
+        "evicted next",
+        "a vermillion frame: the first pages to be reused when free pages run out.",
+    ),
+    (
+        "cached",
+        "fill",
+        "fill",
+        "the solid part of a cell is the tokens written; the pale rest is room left.",
+    ),
+    (
+        "host",
+        "",
+        "host tier",
+        "pages moved out of the device into the computer's main memory; copied back"
+        " instead of computed again. They follow the device pages after a blank row.",
+    ),
+    (
+        "disk",
+        "",
+        "disk tier",
+        "prompts kept on disk: they survive a restart and are read back instead of"
+        " computed. The newest follow after another blank row.",
+    ),
+    (
+        "disk",
+        "corner",
+        "from disk",
+        "an indigo corner: the page was just read back from the disk tier.",
+    ),
+)
+
+
 def memory_help_html(pal: Palette, page_size: int | None = None) -> str:
     """The "What am I looking at?" page, its swatches in ``pal``."""
     page = f"{page_size} tokens" if page_size else "a fixed number of tokens"
-
-    def item(swatch: str, word: str, text: str) -> str:
-        return f"<li>{swatch} <b>{word}</b>: {text}</li>"
-
+    items = "\n".join(
+        f"<li>{_swatch(getattr(pal, colour), pal, mark)} <b>{word}</b>: {text}</li>"
+        for colour, mark, word, text in _PAGE_MAP_ENTRIES
+    )
     return f"""
 <h3>Page map</h3>
 <p>The model's memory of your chats (its KV cache) is cut into pages of {page}. Each
 cell is one page. Hover a cell for its details; click it to see the prompt it belongs to.</p>
 <ul>
-{item(_swatch(pal.free, pal), "free", "empty, ready for any chat.")}
-{
-        item(
-            _swatch(pal.in_use, pal),
-            "in use",
-            "held by a chat that is answering; each chat has its own colour, named in the"
-            " legend (“API” is requests to the local server).",
-        )
-    }
-{
-        item(
-            _swatch(pal.cached, pal),
-            "cached",
-            "no chat holds it now; it is kept so a prompt that starts the same way is not"
-            " computed again. Cached pages are reused when memory runs short.",
-        )
-    }
-{
-        item(
-            _swatch(pal.in_use, pal, "dot"),
-            "shared",
-            "a dot: several chats read this page at once (the same system prompt, say).",
-        )
-    }
-{
-        item(
-            _swatch(pal.evict, pal, "frame"),
-            "evicted next",
-            "a vermillion frame: the first pages to be reused when free pages run out.",
-        )
-    }
-{
-        item(
-            _swatch(pal.cached, pal, "fill"),
-            "fill",
-            "the solid part of a cell is the tokens written; the pale rest is room left.",
-        )
-    }
-{
-        item(
-            _swatch(pal.host, pal),
-            "host tier",
-            "pages moved out of the device into the computer's main memory; copied back"
-            " instead of computed again. They follow the device pages after a blank row.",
-        )
-    }
-{
-        item(
-            _swatch(pal.disk, pal),
-            "disk tier",
-            "prompts kept on disk: they survive a restart and are read back instead of"
-            " computed. The newest follow after another blank row.",
-        )
-    }
-{
-        item(
-            _swatch(pal.disk, pal, "corner"),
-            "from disk",
-            "an indigo corner: the page was just read back from the disk tier.",
-        )
-    }
+{items}
 </ul>
 <h3>Prefix tree</h3>
 <p>The same pages as the prompts they came from. Each row is one prompt, read left to
