@@ -606,10 +606,10 @@ class DiskTier:
         if not self.enabled or not hashes:
             return False
         with self._lock:
-            if hashes[0] not in self.entries and hashes[0] not in self._ahead:
-                return False
             ahead = self._ahead.get(hashes[0])
             if ahead is None:
+                if hashes[0] not in self.entries:
+                    return False
                 while len(self._ahead) >= _MAX_READS_AHEAD:
                     self._ahead.pop(next(iter(self._ahead)))  # a job that went: its read is dropped
                 if self._reader is None:
@@ -830,12 +830,7 @@ class DiskTier:
             (e for e in self.entries.values() if e.segment == seg.id), key=lambda e: e.offset
         ):
             raw = os.pread(self._fd(seg.id), entry.record_bytes, entry.offset)
-            head = _decode_header(raw)
-            if (
-                head is None
-                or head[0] != entry.hash
-                or zlib.crc32(raw[_REC_HEADER.size :]) != head[3]
-            ):
+            if _checked(entry, memoryview(raw)) is None:
                 self._drop(entry)
                 self.dropped += 1
                 continue
