@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,8 @@ _SHARER = textwrap.dedent(
     path, disk, seed, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     loaded = load_model(path, load_tokenizer=False)
     cache = KVCache.for_model(loaded, CacheSettings(page_size=PS, token_budget=4096, disk_dir=disk))
+    writer = cache.disk.writable  # both hold the store open now: one writes, one reads
+    (go.parent / f"ready-{seed}").touch()
     while not go.exists():  # both processes open the store before either goes on
         time.sleep(0.01)
     shared = SequenceRunner(loaded, cache, conversation(6 * PS + 1, seed=10))
@@ -299,7 +302,6 @@ _SHARER = textwrap.dedent(
     own = SequenceRunner(loaded, cache, conversation(5 * PS + 1, seed=seed), job_id=1)
     own.step()
     own.release()
-    writer = cache.disk.writable
     cache.close()
     print(json.dumps({"hit": hit, "writer": writer}))
     """
@@ -326,7 +328,11 @@ def test_two_processes_on_one_store_both_hit_and_keep_it_whole(model_path, tmp_p
         )
         for seed in (11, 12)
     ]
-    go.touch()
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready-{seed}").exists() for seed in (11, 12)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    go.touch()  # only once both have opened the store
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
