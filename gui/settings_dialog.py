@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -28,6 +29,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
+    QGridLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -44,9 +46,26 @@ from engine.cache.kv_cache import CacheSettings
 from engine.generator.generator import GeneratorSettings
 from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, USER_WEIGHT_MODES
 from engine.units import format_bytes
+from gui.settings_hints import (
+    BATCH_TIP,
+    BUDGET_TIP,
+    CHUNK_TIP,
+    HOST_TIP,
+    KV_BITS_TIP,
+    PAGE_TIP,
+    THREADS_TIP,
+    Hint,
+    LostWork,
+    budget_hint,
+    kv_quality_hint,
+    page_size_hint,
+    suggest_page_size,
+    work_lost,
+)
 from gui.worker import TaskRunner
 
 if TYPE_CHECKING:
+    from engine.engine import EngineSnapshot
     from gui.bridge import ModelInfo
 
 KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
@@ -97,14 +116,8 @@ WEIGHT_TRADES = {
     ),
 }
 
-REBUILD_NOTE = (
-    "Applying these changes rebuilds the KV cache: replies in progress stop and "
-    "cached prefixes are dropped."
-)
-RELOAD_NOTE = (
-    "Applying these changes loads the model again: replies in progress stop and "
-    "cached prefixes are dropped."
-)
+REBUILD_NOTE = "Applying these changes rebuilds the KV cache."
+RELOAD_NOTE = "Applying these changes loads the model again."
 
 
 @dataclass(frozen=True)
@@ -260,15 +273,25 @@ class SettingsDialog(QDialog):
         parent: QWidget | None = None,
         model: ModelInfo | None = None,
         clear_disk: Callable[[Path], tuple[int, int]] = delete_stores,
+        prompt_lengths: Sequence[int] = (),
+        snapshot: EngineSnapshot | None = None,
     ):
+        """``prompt_lengths``: the prompts this install has seen (the page-size hint);
+        ``snapshot``: the engine's latest, for what applying would lose."""
         super().__init__(parent)
         self.setWindowTitle("Engine settings")
         self.current = current
         self.model = model
         self.clear_disk = clear_disk
         self._disk_worker = TaskRunner(self, max_threads=1, thread_name="folio-disk-cache")
+        self.prompt_lengths = tuple(prompt_lengths)
+        self.snapshot = snapshot
+        self.setMinimumWidth(600)
         layout = QVBoxLayout(self)
-        form = QFormLayout()
+        # A grid, not a form: each field's hint is a word-wrapped label in its own row,
+        # and a form row clips a wrapped label's later lines.
+        self.grid = QGridLayout()
+        self.grid.setColumnStretch(1, 1)
 
         budget_row = QHBoxLayout()
         self.budget = QSpinBox()
@@ -277,46 +300,49 @@ class SettingsDialog(QDialog):
         self.budget_unit.addItems(["tokens", "MB"])
         budget_row.addWidget(self.budget, 1)
         budget_row.addWidget(self.budget_unit)
-        form.addRow("KV cache budget", budget_row)
+        self.budget_hint = self._add_row("KV cache budget", budget_row, BUDGET_TIP, hint=True)
+        page_row = QHBoxLayout()
         self.page_size = QComboBox()
         for size in PAGE_SIZES:
             self.page_size.addItem(f"{size} tokens", size)
-        form.addRow("Page size", self.page_size)
+        self.use_suggested = QPushButton()
+        self.use_suggested.setAutoDefault(False)
+        self.use_suggested.setToolTip("Set the page size your prompts suggest")
+        self.use_suggested.clicked.connect(self._use_suggested_page_size)
+        page_row.addWidget(self.page_size, 1)
+        page_row.addWidget(self.use_suggested)
+        self.page_hint = self._add_row("Page size", page_row, PAGE_TIP, hint=True)
         self.k_bits = _bits_combo()
         self.v_bits = _bits_combo()
-        form.addRow("K cache bits", self.k_bits)
-        form.addRow("V cache bits", self.v_bits)
+        self._add_row("K cache bits", self.k_bits, KV_BITS_TIP)
+        self.kv_hint = self._add_row("V cache bits", self.v_bits, KV_BITS_TIP, hint=True)
         self.host_mb = QSpinBox()
         self.host_mb.setRange(0, 1_000_000)
         self.host_mb.setSuffix(" MB")
         self.host_mb.setSpecialValueText("off")
-        self.host_mb.setToolTip("Host-memory tier for evicted pages (0 = off)")
-        form.addRow("Host tier", self.host_mb)
+        self._add_row("Host tier", self.host_mb, HOST_TIP)
         self.max_batch = QSpinBox()
         self.max_batch.setRange(1, 256)
-        form.addRow("Max batch size", self.max_batch)
+        self._add_row("Max batch size", self.max_batch, BATCH_TIP)
         self.chunk = QSpinBox()
         self.chunk.setRange(16, 65536)
         self.chunk.setSuffix(" tokens")
-        self.chunk.setToolTip("Prompt tokens one job prefills per step (rounded to whole pages)")
-        form.addRow("Prefill chunk", self.chunk)
+        self._add_row("Prefill chunk", self.chunk, CHUNK_TIP)
         self.threads = QSpinBox()
         self.threads.setRange(0, os.cpu_count() or 64)
         self.threads.setSpecialValueText("automatic")
-        form.addRow("CPU threads", self.threads)
+        self._add_row("CPU threads", self.threads, THREADS_TIP)
         self.weights = QComboBox()
         for mode in USER_WEIGHT_MODES:
             self.weights.addItem(WEIGHT_CHOICES[mode], mode)
-        self.weights.setToolTip(
-            "How the model's weights are kept in memory; changing it loads the model again"
-        )
         self.weights.setEnabled(model is None or bool(model.weight_costs))
-        form.addRow("Weights in memory", self.weights)
-        self.weights_note = QLabel()
-        self.weights_note.setWordWrap(True)
-        layout.addLayout(form)
-        # Outside the form: a form row clips a word-wrapped label's later lines.
-        layout.addWidget(self.weights_note)
+        self.weights_note = self._add_row(
+            "Weights in memory",
+            self.weights,
+            "How the model's weights are kept in memory; changing it loads the model again",
+            hint=True,
+        )
+        layout.addLayout(self.grid)
         layout.addWidget(self._disk_box())
 
         self.rebuild_note = QLabel(REBUILD_NOTE)
@@ -380,6 +406,38 @@ class SettingsDialog(QDialog):
         self.disk_note.setWordWrap(True)
         outer.addWidget(self.disk_note)
         return box
+
+    def _add_row(
+        self, label: str, field: QWidget | QHBoxLayout, tip: str, hint: bool = False
+    ) -> QLabel | None:
+        """A labelled field with its one-line explanation as a tooltip, and below it (when
+        ``hint``) a label for what the value chosen costs, updated as it changes."""
+        row = self.grid.rowCount()
+        name = QLabel(label)
+        name.setToolTip(tip)
+        self.grid.addWidget(name, row, 0)
+        if isinstance(field, QHBoxLayout):
+            self.grid.addLayout(field, row, 1)
+            for i in range(field.count()):
+                widget = field.itemAt(i).widget()
+                if widget is not None and not widget.toolTip():
+                    widget.setToolTip(tip)
+        else:
+            field.setToolTip(tip)
+            self.grid.addWidget(field, row, 1)
+        if not hint:
+            return None
+        note = HintLabel()
+        self.grid.addWidget(note, row + 1, 1)
+        return note
+
+    def suggested_page_size(self) -> int | None:
+        return suggest_page_size(self.prompt_lengths)
+
+    def _use_suggested_page_size(self) -> None:
+        size = self.suggested_page_size()
+        if size is not None:
+            self.page_size.setCurrentIndex(max(0, self.page_size.findData(size)))
 
     def disk_location(self) -> Path:
         """The location the dialog shows now (the default when the field is empty)."""
@@ -471,14 +529,55 @@ class SettingsDialog(QDialog):
     def needs_reload(self) -> bool:
         return self.values().needs_reload(self.current)
 
+    def lost_work(self) -> LostWork:
+        """What applying the values shown would throw away."""
+        return work_lost(self.snapshot, self.current, self.values())
+
     def _update_note(self) -> None:
-        self.weights_note.setText(weights_note(self.weights.currentData(), self.model))
-        if self.needs_reload():
-            self.rebuild_note.setText(RELOAD_NOTE)
-        else:
-            self.rebuild_note.setText(REBUILD_NOTE)
+        values = self.values()
+        model = self.model
+        _show_hint(
+            self.budget_hint,
+            budget_hint(
+                values,
+                model.kv_shape if model is not None else None,
+                model.name if model is not None else "",
+                model.context_length if model is not None else None,
+            ),
+        )
+        _show_hint(self.page_hint, page_size_hint(values.page_size, self.prompt_lengths))
+        suggested = self.suggested_page_size()
+        self.use_suggested.setText(f"Use {suggested}" if suggested else "Use suggested")
+        self.use_suggested.setEnabled(suggested is not None and suggested != values.page_size)
+        _show_hint(self.kv_hint, kv_quality_hint(values.k_bits, values.v_bits))
+        _show_hint(self.weights_note, Hint(weights_note(self.weights.currentData(), self.model)))
+        note = RELOAD_NOTE if self.needs_reload() else REBUILD_NOTE
+        self.rebuild_note.setText(f"{note} {self.lost_work().text()}")
         self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
         self.disk_gb.setEnabled(self.disk_on.isChecked())
+
+
+class HintLabel(QLabel):
+    """A word-wrapped note under a field, smaller and quieter than the field's label,
+    that asks for the height its wrapped lines need (a grid row does not ask it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setWordWrap(True)
+        font = self.font()
+        font.setPointSizeF(font.pointSizeF() * 0.9)
+        self.setFont(font)
+        self.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+
+    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self.setMinimumHeight(self.heightForWidth(self.width()))
+
+
+def _show_hint(label: QLabel, hint: Hint) -> None:
+    label.setText(hint.line)
+    label.setToolTip(hint.tooltip)
+    label.setMinimumHeight(label.heightForWidth(max(label.width(), 360)))
 
 
 def _bits_combo() -> QComboBox:
