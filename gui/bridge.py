@@ -61,6 +61,10 @@ class ModelInfo:
     # Weights resident in each mode the app offers, estimated from the file's tensor
     # directory (engine.model.weight_modes); empty for a model not read from a GGUF file.
     weight_costs: dict[str, int] = field(default_factory=dict)
+    # (layers, KV heads, head size): what prices a token of KV cache (gui.settings_hints)
+    kv_shape: tuple[int, int, int] | None = None
+    context_length: int | None = None  # the most tokens the model was trained to read
+    batch_copy_bytes: int = 0  # bf16 copies kept for batched decode (kernels/bf16.py)
 
 
 def describe_model(loaded: LoadedModel) -> ModelInfo:
@@ -82,7 +86,17 @@ def describe_model(loaded: LoadedModel) -> ModelInfo:
         load_seconds=loaded.load_seconds,
         weight_mode=loaded.weight_mode,
         weight_costs=weight_costs(loaded),
+        kv_shape=_kv_shape(loaded.config),
+        context_length=getattr(loaded.config, "max_position_embeddings", None),
+        batch_copy_bytes=int(loaded.batched_weights_bytes or 0),
     )
+
+
+def _kv_shape(config: Any) -> tuple[int, int, int] | None:
+    try:
+        return (int(config.num_layers), int(config.num_kv_heads), int(config.head_dim))
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def weight_costs(loaded: LoadedModel) -> dict[str, int]:
@@ -148,6 +162,16 @@ def server_error_text(exc: BaseException, settings: ServerSettings) -> str:
             "Use 127.0.0.1 (this computer only) or 0.0.0.0 (every network)."
         )
     return f"The local server could not start on {where}: {error_text(exc)}"
+
+
+def _mark_used(path: str | Path) -> None:
+    """The Models window's "Last used" of a model file: loading it is using it."""
+    from engine.hub.library import mark_used
+
+    try:
+        mark_used(path)
+    except OSError:
+        log.warning("could not record that %s was used", path, exc_info=True)
 
 
 def _safe_weight_bytes(loaded: LoadedModel) -> int:
@@ -276,11 +300,13 @@ class EngineBridge(QObject):
         mode = weight_mode or DEFAULT_WEIGHT_MODE
 
         def work() -> LoadedModel:
-            return load_model(
+            loaded = load_model(
                 path,
                 weight_mode=mode,
                 progress=lambda f, what: self.load_progress.emit(f, what),
             )
+            _mark_used(path)
+            return loaded
 
         self._run_worker(
             work, lambda loaded: self._start_engine(loaded, cache_settings, generator_settings)

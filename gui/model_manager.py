@@ -27,7 +27,6 @@ from PySide6.QtWidgets import (
 
 from engine.cache.kv_cache import CacheSettings
 from engine.hub.downloads import DownloadManager
-from engine.hub.library import mark_used
 from engine.hub.remote import DEFAULT_ENDPOINT, hub_endpoint
 from engine.hub.token import load_token, save_token
 from gui.models.common import message_label, set_message
@@ -146,12 +145,8 @@ class ModelManager(QDialog):
         self.load_requested.emit(Path(path))
 
     def _on_engine_ready(self, info) -> None:
-        # "Last used" means loaded: marked once the load worked, not when asked for.
+        # "Last used" is the bridge's to record: every model file it loads counts.
         if self._pending_load is not None and Path(info.path) == self._pending_load:
-            try:
-                mark_used(info.path)
-            except OSError:
-                pass  # a read-only models folder loses "last used", nothing else
             set_message(self.library.message, f"{info.name} is loaded.")
         self._pending_load = None
         if self.isVisible():
