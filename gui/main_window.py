@@ -39,10 +39,10 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMenu,
     QMessageBox,
-    QProgressBar,
     QPushButton,
     QSizePolicy,
     QSplitter,
+    QToolBar,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -58,9 +58,12 @@ from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
 from gui.help_dialog import MemoryHelpDialog, ShortcutsDialog
+from gui.models.loading import process_memory_tip
+from gui.models.model_bar import LoadStatus, ModelPicker
 from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
+from gui.settings_hints import PromptLengths, work_lost
 from gui.store import Store, StoreError, StoreMode
 from gui.views.page_map_model import disk_pages
 
@@ -176,6 +179,9 @@ class MainWindow(QMainWindow):
         self.controller = ChatController(store, self.bridge, self)
         self.engine_settings = EngineSettings.from_dict(self._settings_json("engine/settings"))
         self.server_prefs = LocalServerSettings.from_dict(self._settings_json("server/settings"))
+        # The prompt lengths of the jobs this install ran: the page-size suggestion.
+        self.prompt_lengths = PromptLengths.parse(self._settings_json("engine/prompt_lengths"))
+        self._kv_bytes = 0  # the running cache's page pool, from the latest snapshot
         self.server_dialog: ServerDialog | None = None  # built on first use
         self._served_model: str | None = None  # what the server served last, while on
         self.error_dialog: QMessageBox | None = None
@@ -210,6 +216,7 @@ class MainWindow(QMainWindow):
         self._connect_memory_panel()
 
         self._build_status_bar()
+        self._build_model_bar()
         self._build_actions()
         self._build_help_and_keys()
 
@@ -227,6 +234,7 @@ class MainWindow(QMainWindow):
         self.bridge.engine_ready.connect(self.on_engine_ready)
         self.bridge.engine_failed.connect(self.on_engine_failed)
         self.bridge.load_progress.connect(self.on_load_progress)
+        self.bridge.job_events.connect(self._record_prompt_lengths)
         self.bridge.server_changed.connect(self.on_server_changed)
         self.bridge.server_failed.connect(self.on_server_failed)
         self.resize(1400, 860)
@@ -256,10 +264,6 @@ class MainWindow(QMainWindow):
         self.disk_label = ElidedLabel()  # the prompt cache on disk; hidden without one
         self.disk_label.setVisible(False)
         self.jobs_label = QLabel()
-        self.load_bar = QProgressBar()
-        self.load_bar.setMaximumWidth(180)
-        self.load_bar.setRange(0, 100)
-        self.load_bar.setVisible(False)
         for w in (
             self.model_label,
             self.device_label,
@@ -286,7 +290,28 @@ class MainWindow(QMainWindow):
         self.server_button.setVisible(False)
         self.server_button.clicked.connect(self.open_server_dialog)
         bar.addPermanentWidget(self.server_button)
-        bar.addPermanentWidget(self.load_bar)
+
+    def _build_model_bar(self) -> None:
+        """The model picker and a load's progress, above the chats."""
+        bar = QToolBar("Model", self)
+        bar.setObjectName("model_toolbar")
+        bar.setMovable(False)
+        self.model_picker = ModelPicker(
+            lambda: self.engine_settings.cache_settings(),
+            lambda: self.engine_settings.weights,
+            lambda: self.model_info.path if self.model_info is not None else None,
+            lambda: (self.model_info.weight_bytes if self.model_info else 0) + self._kv_bytes,
+        )
+        self.model_picker.load_requested.connect(self._load_from_models)
+        self.model_picker.manage_requested.connect(self.open_models)
+        self.load_status = LoadStatus()
+        label = QLabel("Model")
+        label.setContentsMargins(6, 0, 6, 0)
+        bar.addWidget(label)
+        bar.addWidget(self.model_picker)
+        self.load_status.action = bar.addWidget(self.load_status)
+        self.load_status.finish()
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, bar)
 
     def _build_actions(self) -> None:
         menu = self.menuBar()
@@ -438,8 +463,7 @@ class MainWindow(QMainWindow):
 
     def load_model(self, path: str | Path) -> None:
         self.model_label.setText(f"loading {Path(path).name}…")
-        self.load_bar.setValue(0)
-        self.load_bar.setVisible(True)
+        self.load_status.start(Path(path).stem)
         self.bridge.load(
             path,
             self.engine_settings.cache_settings(),
@@ -449,7 +473,7 @@ class MainWindow(QMainWindow):
 
     def use_loaded(self, loaded: Any) -> None:
         """Start the engine on a model already loaded (tests, embedding)."""
-        self.load_bar.setVisible(True)
+        self.load_status.start(loaded.name, "Starting")
         self.bridge.use_loaded(
             loaded,
             self.engine_settings.cache_settings(),
@@ -482,14 +506,13 @@ class MainWindow(QMainWindow):
         self.load_model(path)
 
     def on_load_progress(self, fraction: float, what: str) -> None:
-        self.load_bar.setVisible(True)
-        self.load_bar.setValue(int(fraction * 100))
-        self.load_bar.setFormat(f"{what} %p%")
+        self.load_status.update_progress(fraction, what)
 
     def on_engine_ready(self, info: ModelInfo) -> None:
         self.model_info = info
         tune_garbage_collector()
-        self.load_bar.setVisible(False)
+        self.load_status.finish()
+        self.model_picker.refresh()
         self.settings.setValue("model/last_path", str(info.path))
         self.model_label.setText(f"{info.name} · {info.format}")
         self.model_label.setToolTip(
@@ -501,7 +524,8 @@ class MainWindow(QMainWindow):
         self._last_status = 0.0
 
     def on_engine_failed(self, message: str) -> None:
-        self.load_bar.setVisible(False)
+        self.load_status.finish()
+        self.model_picker.select_loaded()
         if self.model_info is None:
             self.model_label.setText("no model")
         self.show_error("The model could not be loaded", message)
@@ -533,6 +557,19 @@ class MainWindow(QMainWindow):
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
+        self._kv_bytes = snapshot.cache_bytes
+        if rss and self.model_info is not None:
+            info = self.model_info
+            self.memory_label.setToolTip(
+                process_memory_tip(
+                    rss,
+                    info.weight_bytes,
+                    info.weight_mode,
+                    info.batch_copy_bytes,
+                    snapshot.cache_bytes,
+                    snapshot.host_bytes,
+                )
+            )
         disk = snapshot.cache.disk
         self.disk_label.setVisible(disk is not None)
         if disk is not None:
@@ -550,34 +587,53 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         dialog = SettingsDialog(
-            self.engine_settings, self, self.model_info, self.bridge.clear_disk_cache
+            self.engine_settings,
+            self,
+            self.model_info,
+            self.bridge.clear_disk_cache,
+            prompt_lengths=self.prompt_lengths.lengths,
+            snapshot=self.bridge.poll_snapshot(force=True),
         )
         if dialog.exec():
             self.apply_settings(dialog.values(), confirm=True)
 
     def apply_settings(self, new: EngineSettings, confirm: bool = True) -> bool:
-        """Save `new`; rebuild the engine when the cache or batching changed (after
-        asking, when `confirm`). Returns whether the settings were applied."""
+        """Save `new`; rebuild the engine when the cache or batching changed. When
+        `confirm`, asks once, and only when work would be lost (replies running, cached
+        pages the new cache drops). Returns whether the settings were applied."""
         rebuild = new.needs_rebuild(self.engine_settings)
         reload = new.needs_reload(self.engine_settings) and self.bridge.loaded is not None
         if (rebuild or reload) and confirm and self.bridge.ready:
-            what = "the model loaded again" if reload else "a new KV cache"
-            answer = QMessageBox.question(
-                self,
-                "Load the model again?" if reload else "Rebuild the KV cache?",
-                f"The new settings need {what}: replies in progress stop and cached "
-                "prefixes are dropped. Apply now?",
-            )
-            if answer != QMessageBox.StandardButton.Yes:
-                return False
+            lost = work_lost(self.bridge.poll_snapshot(force=True), self.engine_settings, new)
+            if lost.any:
+                what = "the model loaded again" if reload else "a new KV cache"
+                answer = QMessageBox.question(
+                    self,
+                    "Load the model again?" if reload else "Rebuild the KV cache?",
+                    f"The new settings need {what}: {lost.text()} Apply now?",
+                )
+                if answer != QMessageBox.StandardButton.Yes:
+                    return False
         self.engine_settings = new
         self.settings.setValue("engine/settings", json.dumps(new.as_dict()))
         self._apply_threads()
         if reload:
             self.load_model(self.bridge.loaded.path)
         elif rebuild and self.bridge.loaded is not None:
+            self.load_status.start(self.bridge.loaded.name, "Rebuilding the KV cache of")
             self.bridge.rebuild(new.cache_settings(), new.generator_settings())
+        self.model_picker.refresh()  # fits are priced for the cache chosen
         return True
+
+    def _record_prompt_lengths(self, events: list) -> None:
+        """Each finished job's prompt length, kept for the page-size suggestion."""
+        record = self.prompt_lengths
+        for event in events:
+            if event.eos and event.result is not None:
+                record = record.add(event.result.prompt_tokens)
+        if record != self.prompt_lengths:
+            self.prompt_lengths = record
+            self.settings.setValue("engine/prompt_lengths", json.dumps(list(record.lengths)))
 
     def _apply_threads(self) -> None:
         if self.engine_settings.cpu_threads > 0:

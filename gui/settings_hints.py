@@ -126,13 +126,13 @@ def budget_hint(
         page_bytes = settings.page_size * figures.bytes_per_token
         return Hint(
             f"{settings.budget} MB holds no whole page of {settings.page_size} tokens "
-            f"({format_bytes(page_bytes, 'MB')} a page): give more."
+            f"({format_bytes(page_bytes, 'MB', binary=True)} a page): give more."
         )
     per_chat, limit = figures.tokens, ""
     if context_length and context_length < per_chat:
         per_chat, limit = context_length, f" (the model reads at most {context_length:,})"
     line = (
-        f"{figures.tokens:,} tokens = {format_bytes(figures.bytes, 'MB')}, one pool shared by "
+        f"{figures.tokens:,} tokens = {format_bytes(figures.bytes, 'MB', binary=True)}, one pool shared by "
         f"all chats: a chat alone holds up to {per_chat:,} tokens{limit}."
     )
     model = f"for {model_name} " if model_name else ""

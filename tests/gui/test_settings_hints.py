@@ -82,7 +82,7 @@ def test_budget_hint_shows_the_memory_the_engine_allocates(dialog, settings):
     assert figures.bytes == cache.nbytes() == cache.num_pages * settings.page_size * per_token
     line = d.budget_hint.text()
     assert f"{cache.num_pages * settings.page_size:,} tokens" in line
-    assert format_bytes(cache.nbytes(), "MB") in line
+    assert format_bytes(cache.nbytes(), "MB", binary=True) in line
     assert "one pool shared by all chats" in line
     assert f"{per_token:,} bytes a token" in d.budget_hint.toolTip()
 
@@ -96,7 +96,7 @@ def test_budget_hint_follows_the_fields_live(dialog):
     d.k_bits.setCurrentIndex(d.k_bits.findData(4))
     d.v_bits.setCurrentIndex(d.v_bits.findData(4))
     per_token = formats.kv_bytes_per_token(*SHAPE, formats.kv_formats(4, 4))
-    assert format_bytes(8192 * per_token, "MB") in d.budget_hint.text()
+    assert format_bytes(8192 * per_token, "MB", binary=True) in d.budget_hint.text()
 
 
 def test_budget_hint_names_the_models_context_limit(dialog):
