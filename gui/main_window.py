@@ -497,6 +497,7 @@ class MainWindow(QMainWindow):
                 self.bridge, lambda: self.engine_settings.cache_settings(), self
             )
             self.model_manager.load_requested.connect(self._load_from_models)
+            self.model_manager.downloads.completed.connect(lambda _: self.model_picker.refresh())
         self.model_manager.show()
         self.model_manager.raise_()
         self.model_manager.activateWindow()
@@ -902,6 +903,7 @@ class MainWindow(QMainWindow):
             self.chat_view.save_settings()
             self.save_layout()
             self.controller.save_partials()
+            self.model_picker.runner.wait(5000)  # a listing's report would find no picker
             # Shutting down cancels every job; their last events are drained into the
             # controller here, so stopped replies are saved as complete.
             try:
