@@ -92,8 +92,8 @@ class PickerEntry:
 
     @property
     def text(self) -> str:
-        if self.fit is None:
-            return f"{self.model.name} — {self.note or 'fit unknown'}"
+        if self.fit is None:  # the reason is the tooltip's: it can be long
+            return f"{self.model.name} — {'fit unknown' if self.model.loadable else 'cannot load'}"
         return f"{self.model.name} — {self.fit.label.value} · {format_bytes(self.fit.need_bytes)}"
 
 

@@ -18,7 +18,8 @@ from engine.model.fetch import DEFAULT_MODEL
 from engine.units import format_bytes
 from gui.first_run_dialog import FetchDialog
 from gui.main_window import MainWindow
-from gui.models.loading import LoadProgress
+from gui.models.loading import LoadProgress, process_memory_tip
+from gui.models.model_bar import ModelPicker
 from gui.settings_dialog import EngineSettings, SettingsDialog
 from gui.store import Store
 
@@ -209,3 +210,43 @@ def test_settings_ask_once_and_only_when_work_would_be_lost(
         lambda: window.bridge.ready and window.bridge.cache_settings.page_size == 64, timeout=60_000
     )
     window.close()
+
+
+def test_picker_lists_a_broken_model_as_unloadable(qtbot, tmp_path, monkeypatch, smollm2_path):
+    """A damaged file in the models folder is listed, greyed out, with the reason; it
+    never stops the listing."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / smollm2_path.name).symlink_to(smollm2_path)
+    (folder / "broken.Q8_0.gguf").write_bytes(b"GGUF" + b"\0" * 20)
+    monkeypatch.setenv("FOLIO_MODELS_DIR", str(folder))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
+    picker = ModelPicker(lambda: SMALL.cache_settings(), lambda: "native", lambda: None)
+    picker.free_memory = lambda: 10**12
+    qtbot.addWidget(picker)
+    picker.refresh()
+    qtbot.waitUntil(lambda: not picker.runner.busy, timeout=30_000)
+    by_name = {e.model.name: e for e in picker.entries}
+    assert by_name[smollm2_path.stem].fit.label is Fit.FITS
+    broken = by_name["broken.Q8_0"]
+    assert broken.fit is None and broken.note.startswith("cannot load")
+    row = picker.findData(str(broken.model.path))
+    assert not picker.model().item(row).isEnabled()
+    assert broken.note in picker.itemData(row, Qt.ItemDataRole.ToolTipRole)
+    assert picker.currentIndex() == -1  # nothing loaded: nothing chosen
+    with qtbot.waitSignal(picker.load_requested) as chosen:
+        picker.activated.emit(picker.findData(str(by_name[smollm2_path.stem].model.path)))
+    assert chosen.args == [by_name[smollm2_path.stem].model.path]
+    with qtbot.waitSignal(picker.manage_requested):
+        picker.activated.emit(picker.findData("manage"))
+
+
+def test_process_memory_tip_adds_up():
+    mib = 1 << 20
+    tip = process_memory_tip(2000 * mib, 800 * mib, "native", 300 * mib, 180 * mib, 0)
+    accounted = (800 + 300 + 180) * mib + RUNTIME_OVERHEAD_BYTES
+    assert f"= {format_bytes(accounted, binary=True)}" in tip
+    assert f"the other {format_bytes(2000 * mib - accounted, binary=True)}" in tip
+    assert "bf16 copies for batched replies" in tip and "host tier" not in tip
+    small = process_memory_tip(500 * mib, 800 * mib, "native", 0, 180 * mib, 0)
+    assert "not in RAM (yet)" in small and "bf16 copies" not in small
