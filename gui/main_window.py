@@ -63,7 +63,7 @@ from gui.models.model_bar import LoadStatus, ModelPicker
 from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
-from gui.settings_hints import PromptLengths, work_lost
+from gui.settings_hints import PromptLengths, shared_prefix_tokens, work_lost
 from gui.store import Store, StoreError, StoreMode
 from gui.views.page_map_model import disk_pages
 
@@ -594,9 +594,22 @@ class MainWindow(QMainWindow):
             self.bridge.clear_disk_cache,
             prompt_lengths=self.prompt_lengths.lengths,
             snapshot=self.bridge.poll_snapshot(force=True),
+            shared_prefix=self._shared_prefix(),
         )
         if dialog.exec():
             self.apply_settings(dialog.values(), confirm=True)
+
+    def _shared_prefix(self) -> int | None:
+        """The tokens chats with the open chat's system prompt begin with; None without
+        a model or a chat."""
+        tokenizer = self.bridge.tokenizer
+        if tokenizer is None or self.chat_view.conversation_id is None:
+            return None
+        try:
+            return shared_prefix_tokens(tokenizer.encode_chat, self.chat_view.settings.values()[0])
+        except Exception:  # noqa: BLE001 - a hint only: a template that refuses is no reason to fail
+            log.warning("could not render the system prompt", exc_info=True)
+            return None
 
     def apply_settings(self, new: EngineSettings, confirm: bool = True) -> bool:
         """Save `new`; rebuild the engine when the cache or batching changed. When

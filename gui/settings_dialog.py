@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 MB = 1 << 20
-GB = 10**9  # the disk budget is in disk vendors' (and `folio --disk-cache-gb`'s) gigabytes
+GB = 10**9
+HINT_WIDTH = 440  # the fields' column at least: a hint wraps to two or three lines  # the disk budget is in disk vendors' (and `folio --disk-cache-gb`'s) gigabytes
 
 DISK_TIP = (
     "Keeps the pages of finished chats on disk, so that reopening a long chat after a "
@@ -275,9 +276,11 @@ class SettingsDialog(QDialog):
         clear_disk: Callable[[Path], tuple[int, int]] = delete_stores,
         prompt_lengths: Sequence[int] = (),
         snapshot: EngineSnapshot | None = None,
+        shared_prefix: int | None = None,
     ):
-        """``prompt_lengths``: the prompts this install has seen (the page-size hint);
-        ``snapshot``: the engine's latest, for what applying would lose."""
+        """``prompt_lengths``: the prompts this install has seen, and ``shared_prefix``:
+        the tokens chats with the open chat's system prompt begin with (the page-size
+        hint); ``snapshot``: the engine's latest, for what applying would lose."""
         super().__init__(parent)
         self.setWindowTitle("Engine settings")
         self.current = current
@@ -285,13 +288,14 @@ class SettingsDialog(QDialog):
         self.clear_disk = clear_disk
         self._disk_worker = TaskRunner(self, max_threads=1, thread_name="folio-disk-cache")
         self.prompt_lengths = tuple(prompt_lengths)
+        self.shared_prefix = shared_prefix
         self.snapshot = snapshot
-        self.setMinimumWidth(600)
         layout = QVBoxLayout(self)
         # A grid, not a form: each field's hint is a word-wrapped label in its own row,
         # and a form row clips a wrapped label's later lines.
         self.grid = QGridLayout()
         self.grid.setColumnStretch(1, 1)
+        self.grid.setColumnMinimumWidth(1, HINT_WIDTH)  # hints of two lines, not five
 
         budget_row = QHBoxLayout()
         self.budget = QSpinBox()
@@ -545,7 +549,10 @@ class SettingsDialog(QDialog):
                 model.context_length if model is not None else None,
             ),
         )
-        _show_hint(self.page_hint, page_size_hint(values.page_size, self.prompt_lengths))
+        _show_hint(
+            self.page_hint,
+            page_size_hint(values.page_size, self.prompt_lengths, self.shared_prefix),
+        )
         suggested = self.suggested_page_size()
         self.use_suggested.setText(f"Use {suggested}" if suggested else "Use suggested")
         self.use_suggested.setEnabled(suggested is not None and suggested != values.page_size)
@@ -554,6 +561,14 @@ class SettingsDialog(QDialog):
         note = RELOAD_NOTE if self.needs_reload() else REBUILD_NOTE
         self.rebuild_note.setText(f"{note} {self.lost_work().text()}")
         self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
+        self._grow_to_fit()
+
+    def _grow_to_fit(self) -> None:
+        """A hint that wrapped to another line, or the note appearing, makes the dialog
+        taller: its minimum does not follow word-wrapped labels by itself."""
+        need = self.sizeHint().height()
+        if self.isVisible() and self.height() < need:
+            self.resize(self.width(), need)
         self.disk_gb.setEnabled(self.disk_on.isChecked())
 
 
@@ -569,15 +584,16 @@ class HintLabel(QLabel):
         self.setFont(font)
         self.setForegroundRole(QPalette.ColorRole.PlaceholderText)
 
-    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
-        super().resizeEvent(event)
-        self.setMinimumHeight(self.heightForWidth(self.width()))
+    def fit(self) -> None:
+        """Ask for the height the text needs at the column's least width (wider, it
+        needs no more): a grid row does not ask a wrapped label's height itself."""
+        self.setMinimumHeight(self.heightForWidth(HINT_WIDTH))
 
 
-def _show_hint(label: QLabel, hint: Hint) -> None:
+def _show_hint(label: HintLabel, hint: Hint) -> None:
     label.setText(hint.line)
     label.setToolTip(hint.tooltip)
-    label.setMinimumHeight(label.heightForWidth(max(label.width(), 360)))
+    label.fit()
 
 
 def _bits_combo() -> QComboBox:

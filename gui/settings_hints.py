@@ -17,7 +17,7 @@ types; nothing here knows Qt, so every rule is a unit test away:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
 from typing import TYPE_CHECKING
@@ -228,28 +228,53 @@ def suggest_page_size(lengths: Sequence[int]) -> int | None:
     return min(max(size, SMALLEST_PAGE), LARGEST_PAGE)
 
 
-def page_size_hint(page_size: int, lengths: Sequence[int]) -> Hint:
+def shared_prefix_tokens(
+    encode_chat: Callable[[list[dict[str, str]]], list[int]], system_prompt: str
+) -> int:
+    """Tokens every chat with this system prompt begins with: the template's start and
+    the system turn, as the model's tokenizer renders them (`Tokenizer.encode_chat`),
+    up to where the first user message begins. The chat sends no system turn for a blank
+    prompt (`gui.chat.controller`), and neither does this."""
+    head = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+    one = encode_chat([*head, {"role": "user", "content": "A"}])
+    two = encode_chat([*head, {"role": "user", "content": "B"}])
+    n = 0
+    while n < min(len(one), len(two)) and one[n] == two[n]:
+        n += 1
+    return n
+
+
+def page_size_hint(
+    page_size: int, lengths: Sequence[int], shared_prefix: int | None = None
+) -> Hint:
     """The size this install's prompts suggest, and why pages shorter than a shared
-    prefix share and longer ones do not."""
-    shared = page_size + page_size // 4
-    short = max(1, page_size * 5 // 8)
+    prefix share and longer ones do not: with ``shared_prefix`` (`shared_prefix_tokens`
+    of the chat open now) in its own figures."""
     why = (
-        f"Chats reuse each other's cached prompt only in whole pages: at {page_size} tokens "
-        f"a page, a system prompt of {shared} tokens is shared as 1 page, one of {short} "
-        "tokens not at all (it is shorter than a page). Smaller pages share more of a "
-        "common prefix; larger ones waste more of each chat's last, partly filled page. "
-        "Suggested: a quarter of your average prompt, as a power of two (16 to 1024)."
+        "Chats share cached pages only whole: the start they have in common (a system "
+        "prompt) is held once up to its last whole page, and the rest of it is copied into "
+        "each chat's own page, which saves reading it again but not memory. A common start "
+        "shorter than a page shares no page at all. Smaller pages share more of it; larger "
+        "ones waste more of each chat's last, partly filled page. Suggested: a quarter of "
+        "your average prompt, as a power of two (16 to 1024)."
     )
+    share = "Chats share cached prompts only in whole pages."
+    if shared_prefix:
+        pages, rest = divmod(shared_prefix, page_size)
+        same = f"Chats with this system prompt begin with the same {shared_prefix} tokens"
+        if pages:
+            share = f"{same}: {pages} page{'s' if pages != 1 else ''} of {page_size} shared"
+            share += f", {rest} tokens copied to each chat." if rest else "."
+        else:
+            share = f"{same}, less than one {page_size}-token page: no page shared (copied)."
     suggested = suggest_page_size(lengths)
     if suggested is None:
-        return Hint(
-            "Prompts share only in whole pages; a suggestion follows your first chats.", why
-        )
+        return Hint(f"{share} A size is suggested after your first chats.", why)
     n = len(lengths)
     verdict = "the size chosen" if suggested == page_size else f"{suggested} tokens"
     line = (
         f"Your last {n} prompt{'s' if n != 1 else ''} averaged {fmean(lengths):,.0f} tokens: "
-        f"suggested {verdict}. Prompts share only in whole pages."
+        f"suggested {verdict}. {share}"
     )
     return Hint(line, why)
 

@@ -8,10 +8,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import QMessageBox
 
+from engine.cache.page import PageState
 from engine.hub.fit import RUNTIME_OVERHEAD_BYTES, Fit, kv_bytes_per_token
 from engine.hub.library import list_local_models
 from engine.model.fetch import DEFAULT_MODEL
@@ -21,6 +23,7 @@ from gui.main_window import MainWindow
 from gui.models.loading import LoadProgress, process_memory_tip
 from gui.models.model_bar import ModelPicker
 from gui.settings_dialog import EngineSettings, SettingsDialog
+from gui.settings_hints import page_size_hint, shared_prefix_tokens
 from gui.store import Store
 
 SMALL = EngineSettings(page_size=16, budget=1024, max_chunk_size=64, max_batch_size=8)
@@ -250,3 +253,35 @@ def test_process_memory_tip_adds_up():
     assert "bf16 copies for batched replies" in tip and "host tier" not in tip
     small = process_memory_tip(500 * mib, 800 * mib, "native", 0, 180 * mib, 0)
     assert "not in RAM (yet)" in small and "bf16 copies" not in small
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [16, 32])
+def test_shared_prefix_in_the_page_hint_is_what_the_engine_shares(smollm2_int4, page):
+    """The page-size hint's "N pages shared" for a system prompt is what the engine's
+    prefix cache reuses when a second chat with that system prompt starts."""
+    from engine.cache.kv_cache import CacheSettings
+    from engine.engine import Engine
+    from engine.generator.job import JobRequest
+
+    system = {"role": "system", "content": "You are Folio's test assistant. Answer briefly."}
+    shared = shared_prefix_tokens(smollm2_int4.tokenizer.encode_chat, system["content"])
+    with Engine(smollm2_int4, CacheSettings(page_size=page, token_budget=1024)) as engine:
+        for text in ("What is two plus two?", "Name a colour."):
+            request = JobRequest(
+                messages=[system, {"role": "user", "content": text}], max_new_tokens=1
+            )
+            result = engine.submit(request).wait(60)
+        snapshot = engine.snapshot()
+    # The whole common start is reused (full pages shared, the rest copied) ...
+    assert result.cached_tokens == shared
+    # ... and the chats' chains meet in a shared page only when it is a whole page long.
+    cache = snapshot.cache
+    held = set(np.flatnonzero(cache.state != PageState.FREE).tolist())
+    roots = held - set(cache.edges[:, 0].tolist())
+    assert len(roots) == (1 if shared >= page else 2)
+    line = page_size_hint(page, [], shared).line
+    if shared >= page:
+        assert f"same {shared} tokens: {shared // page} page" in line
+    else:
+        assert f"same {shared} tokens, less than one {page}-token page: no page shared" in line

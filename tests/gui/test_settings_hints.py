@@ -253,3 +253,18 @@ def test_dialog_note_says_what_applying_loses(dialog):
     idle = dialog(EngineSettings(page_size=16, disk_cache=False), snapshot=empty_snapshot())
     idle.page_size.setCurrentIndex(idle.page_size.findData(32))
     assert "Nothing is lost" in idle.rebuild_note.text()
+
+
+def test_hints_never_overlap_the_fields(dialog, qtbot):
+    """A hint that wraps to more lines as a value changes makes room for itself."""
+    d = dialog(EngineSettings(page_size=32), prompt_lengths=[900, 1100], shared_prefix=21)
+    d.show()
+    qtbot.waitExposed(d)
+    d.k_bits.setCurrentIndex(d.k_bits.findData(5))  # "not measured" lists every format
+    d.page_size.setCurrentIndex(d.page_size.findData(64))
+    qtbot.wait(50)
+    fields = [d.budget, d.page_size, d.k_bits, d.v_bits, d.host_mb, d.max_batch, d.weights]
+    for hint in (d.budget_hint, d.page_hint, d.kv_hint, d.weights_note):
+        assert hint.height() >= hint.heightForWidth(hint.width()), hint.text()
+        for field in fields:
+            assert not hint.geometry().intersects(field.geometry()), hint.text()
