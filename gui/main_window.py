@@ -15,14 +15,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, QSize, Qt
+from PySide6.QtCore import QByteArray, QSettings, Qt
 from PySide6.QtGui import (
     QAction,
     QCloseEvent,
     QColor,
     QIcon,
     QKeySequence,
-    QPainter,
     QPixmap,
     QShortcut,
 )
@@ -57,6 +56,7 @@ from gui.chat.export import ExportError, ask_export_path, export_chat
 from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
+from gui.elided_label import ElidedLabel
 from gui.help_dialog import MemoryHelpDialog, ShortcutsDialog
 from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
@@ -114,23 +114,6 @@ def disk_status(disk: DiskTierStats, records: int, location: str) -> tuple[str, 
             f"{tip}\n{disk.status[:1].upper()}{disk.status[1:]}.",
         )
     return f"disk cache {pages} · {format_bytes(disk.bytes)}", tip
-
-
-class ElidedLabel(QLabel):
-    """A status-bar label that ends in "…" when the bar is too narrow for it (the
-    model's name and format are long, and the server's address shares the bar) instead
-    of being cut mid-word."""
-
-    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
-        hint = super().minimumSizeHint()
-        return QSize(min(hint.width(), 160), hint.height())
-
-    def paintEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
-        painter = QPainter(self)
-        self.drawFrame(painter)  # the style sheet's border, as QLabel draws it
-        rect = self.contentsRect()
-        text = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
-        painter.drawText(rect, int(self.alignment()), text)
 
 
 class ConversationList(QWidget):
@@ -195,6 +178,9 @@ class MainWindow(QMainWindow):
         self.splitter.addWidget(self.chat_view)
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
+        # Neither side drags shut (nor comes back shut from a saved layout): the list
+        # is how one gets to the other chats.
+        self.splitter.setChildrenCollapsible(False)
         self.splitter.setSizes([230, 700])
         self.setCentralWidget(self.splitter)
 
@@ -203,7 +189,8 @@ class MainWindow(QMainWindow):
         self.memory_dock.setObjectName("memory_dock")
         # A fixed minimum and an ignored size hint: the views' labels change as chats
         # come and go, and a hint that moves re-lays out the whole window each time.
-        self.memory_panel.setMinimumSize(380, 300)
+        hint = self.memory_panel.minimumSizeHint()
+        self.memory_panel.setMinimumSize(max(380, hint.width()), 300)
         self.memory_panel.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
         self.memory_dock.setWidget(self.memory_panel)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.memory_dock)
