@@ -61,6 +61,7 @@ from gui.help_dialog import MemoryHelpDialog, ShortcutsDialog
 from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
+from gui.status import MemoryFigures, engine_words, memory_figures
 from gui.store import Store, StoreError, StoreMode
 from gui.views.page_map_model import disk_pages
 
@@ -167,6 +168,8 @@ class MainWindow(QMainWindow):
         self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
         self.model_info: ModelInfo | None = None
         self._last_status = 0.0
+        self._shown_figures: MemoryFigures | None = None
+        self._loading = ""  # what the status bar says while a load or rebuild runs
         self._closing = False
         self._chat_names: dict[int, str] = {}
 
@@ -369,6 +372,10 @@ class MainWindow(QMainWindow):
             panel.chat_selected.connect(self._on_memory_chat_selected)
         if hasattr(panel, "page_clicked"):
             panel.page_clicked.connect(self._on_page_clicked)
+        # The panel is not fed while hidden: shown again, it gets the latest state now.
+        self.memory_dock.visibilityChanged.connect(
+            lambda visible: visible and self.bridge.poll_snapshot(force=True)
+        )
 
     # -- settings (QSettings) ---------------------------------------------------------
 
@@ -425,6 +432,7 @@ class MainWindow(QMainWindow):
 
     def load_model(self, path: str | Path) -> None:
         self.model_label.setText(f"loading {Path(path).name}…")
+        self._show_loading("loading the model…")
         self.load_bar.setValue(0)
         self.load_bar.setVisible(True)
         self.bridge.load(
@@ -436,6 +444,7 @@ class MainWindow(QMainWindow):
 
     def use_loaded(self, loaded: Any) -> None:
         """Start the engine on a model already loaded (tests, embedding)."""
+        self._show_loading("starting the engine…")
         self.load_bar.setVisible(True)
         self.bridge.use_loaded(
             loaded,
@@ -486,8 +495,16 @@ class MainWindow(QMainWindow):
         )
         self.device_label.setText(info.device)
         self._last_status = 0.0
+        self._loading = ""
+
+    def _show_loading(self, text: str) -> None:
+        """The status bar says so while a load or rebuild runs (the old engine's
+        snapshots may still come in meanwhile: they do not say "idle" over it)."""
+        self._loading = text
+        self.jobs_label.setText(text)
 
     def on_engine_failed(self, message: str) -> None:
+        self._loading = ""
         self.load_bar.setVisible(False)
         if self.model_info is None:
             self.model_label.setText("no model")
@@ -500,26 +517,28 @@ class MainWindow(QMainWindow):
         feed = getattr(self.memory_panel, "feed", None)
         if feed is not None and self.memory_dock.isVisible():
             feed(snapshot, self.bridge.telemetry, self.bridge.tokenizer)
-        if snapshot.time - self._last_status >= STATUS_INTERVAL_S or not snapshot.jobs:
+        # The cache's figures as soon as they move (the panel shows them too: the two
+        # must agree); the jobs' progress and the process size twice a second.
+        figures = memory_figures(snapshot)
+        due = snapshot.time - self._last_status >= STATUS_INTERVAL_S
+        if due or figures != self._shown_figures or not snapshot.jobs:
             self._last_status = snapshot.time
             self.update_status(snapshot)
 
     def update_status(self, snapshot: EngineSnapshot) -> None:
-        stats = snapshot.stats
-        page_bytes = snapshot.cache_bytes / max(1, snapshot.num_pages)
-        tokens = snapshot.num_pages * snapshot.page_size
-        self.cache_label.setText(
-            f"{snapshot.num_pages} pages × {snapshot.page_size} = {tokens:,} tokens"
-            f" · {format_bytes(snapshot.cache_bytes, binary=True)} KV"
-        )
-        used = (stats.pages_referenced + stats.pages_cached) * page_bytes
-        text = f"{format_bytes(used, binary=True)} KV in use"
-        if snapshot.host_bytes:
-            text += f" · host tier {format_bytes(snapshot.host_bytes, binary=True)}"
+        figures = memory_figures(snapshot)
+        self._shown_figures = figures
+        self.cache_label.setText(figures.cache_text())
+        text = figures.use_text()
         rss = _process_rss()
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
+        self.memory_label.setToolTip(
+            "In use: pages running replies hold. Reclaimable: pages of earlier prompts,"
+            " kept so a chat that repeats them skips their prefill; a reply that needs"
+            " room takes them over."
+        )
         disk = snapshot.cache.disk
         self.disk_label.setVisible(disk is not None)
         if disk is not None:
@@ -528,10 +547,8 @@ class MainWindow(QMainWindow):
             )
             self.disk_label.setText(text)
             self.disk_label.setToolTip(tip)
-        running = sum(1 for j in snapshot.jobs if j.state != "pending")
-        queued = len(snapshot.jobs) - running
-        jobs = f"{running} job{'s' if running != 1 else ''} · {queued} queued"
-        self.jobs_label.setText(jobs if snapshot.jobs else "idle")
+        loading = self._loading if self.bridge.busy else ""
+        self.jobs_label.setText(loading or engine_words(snapshot))
 
     # -- settings dialog --------------------------------------------------------------
 
@@ -563,6 +580,7 @@ class MainWindow(QMainWindow):
         if reload:
             self.load_model(self.bridge.loaded.path)
         elif rebuild and self.bridge.loaded is not None:
+            self._show_loading("building the new KV cache…")
             self.bridge.rebuild(new.cache_settings(), new.generator_settings())
         return True
 

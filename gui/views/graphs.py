@@ -187,6 +187,8 @@ class ThroughputGraphs(QWidget):
     def update_from(self, telemetry: TelemetryLike, now: float | None = None) -> bool:
         """Redraw from the telemetry's series; returns False when nothing was new.
         ``now`` (the telemetry clock) sets the right edge; the last record otherwise."""
+        if telemetry is not self._telemetry:
+            self._version = -1  # another engine's telemetry: its versions start again
         self._telemetry = telemetry
         version = telemetry.version
         if version == self._version and now is None:
