@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, Qt
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import (
     QAction,
     QCloseEvent,
@@ -68,6 +68,7 @@ from gui.views.page_map_model import disk_pages
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5  # the status bar's figures need not move at 10 Hz
+CHAT_MIN_WIDTH = 520  # narrower, and a reply wraps every few words
 
 
 def make_memory_panel() -> QWidget:
@@ -376,6 +377,32 @@ class MainWindow(QMainWindow):
         self.memory_dock.visibilityChanged.connect(
             lambda visible: visible and self.bridge.poll_snapshot(force=True)
         )
+
+    # -- the window's width -----------------------------------------------------------
+
+    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        old = event.oldSize()
+        if not old.isValid() or event.size().width() < old.width():
+            QTimer.singleShot(0, self._make_room_for_the_chat)
+
+    def _make_room_for_the_chat(self) -> None:
+        """A window made narrower takes the width from the chat alone (the dock and the
+        list keep theirs), until its replies wrap every few words; so the dock, then the
+        list, give back width down to their own minimum first."""
+        short = CHAT_MIN_WIDTH - self.chat_view.width()
+        dock = self.memory_dock
+        if short > 0 and dock.isVisible() and not dock.isFloating():
+            give = min(short, dock.width() - dock.minimumSizeHint().width())
+            if give > 0:
+                self.resizeDocks([dock], [dock.width() - give], Qt.Orientation.Horizontal)
+                # The chat's new width shows once the layout has run: the list next.
+                QTimer.singleShot(0, self._make_room_for_the_chat)
+                return
+        list_width, chat_width = self.splitter.sizes()
+        give = min(short, list_width - self.chats.minimumSizeHint().width())
+        if give > 0:
+            self.splitter.setSizes([list_width - give, chat_width + give])
 
     # -- settings (QSettings) ---------------------------------------------------------
 

@@ -41,6 +41,8 @@ WAIT_SHORT = {
 def wait_words(kind: str, reason: str) -> str:
     """'waiting for memory: the KV cache has too few free pages (needs 20, 3 free); …'."""
     wait = WaitKind(kind) if kind in WaitKind._value2member_map_ else WaitKind.NONE
+    if wait is WaitKind.NONE and reason:
+        return f"waiting: {reason}"  # a reason this module has no words for yet
     detail = reason.split(": ", 1)[1] if ": " in reason else ""
     return WAIT_WORDS[wait].format(detail=f" ({detail})" if detail else "")
 

@@ -33,7 +33,7 @@ def test_wait_words_say_why_and_what_ends_the_wait():
     assert batch.startswith("waiting for a batch slot") and "(needs 1 slot(s), 0 free)" in batch
     assert "disk" in wait_words(WaitKind.DISK, "reading its cached pages from disk")
     assert wait_words("", "").startswith("queued")
-    assert wait_words("something new", "why").startswith("queued")  # an unknown kind
+    assert wait_words("something new", "a new reason") == "waiting: a new reason"
 
 
 def test_job_words_prefill_progress_and_time_left():

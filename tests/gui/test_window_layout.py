@@ -12,7 +12,7 @@ import pytest
 from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QApplication, QWidget
 
-from gui.main_window import MainWindow
+from gui.main_window import CHAT_MIN_WIDTH, MainWindow
 from gui.store import Store
 
 SIZES = [(1024, 700), (1400, 860)]
@@ -73,6 +73,10 @@ def test_every_panel_open_fits(qtbot, tmp_path, size):
     assert squeezed(window) == []
     # Opening the chat's settings leaves the chat list its room.
     assert window.chats.width() >= window.chats.minimumSizeHint().width() > 0
+    # A narrow window takes its width from the dock and the list before the chat.
+    if window.chat_view.width() < CHAT_MIN_WIDTH:
+        assert window.memory_dock.width() == window.memory_dock.minimumSizeHint().width()
+        assert window.chats.width() == window.chats.minimumSizeHint().width()
     # Each spin box is wide enough for the text of its value, and for its widest value.
     spins = window.chat_view.settings.findChildren(QAbstractSpinBox)
     assert len(spins) == 5
