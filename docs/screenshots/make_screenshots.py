@@ -125,6 +125,9 @@ def main(out: Path) -> None:
     if icon is not None:
         app.setWindowIcon(icon)
     folder = Path(tempfile.mkdtemp(prefix="folio_shots_"))
+    # A prompt cache on disk of its own: the user's (or an earlier run's) would show up
+    # in the page map and the tree, and every run would differ.
+    os.environ["FOLIO_KV_CACHE_DIR"] = str(folder / "kv")
     settings = QSettings(str(folder / "folio.ini"), QSettings.Format.IniFormat)
     engine = EngineSettings(page_size=16, budget=2048, max_chunk_size=64, max_batch_size=8)
     settings.setValue("engine/settings", json.dumps(engine.as_dict()))
