@@ -171,6 +171,7 @@ class MainWindow(QMainWindow):
         self._last_status = 0.0
         self._shown_figures: MemoryFigures | None = None
         self._loading = ""  # what the status bar says while a load or rebuild runs
+        self._rss, self._rss_at = 0, float("-inf")  # the process size, read twice a second
         self._closing = False
         self._chat_names: dict[int, str] = {}
 
@@ -557,7 +558,9 @@ class MainWindow(QMainWindow):
         self._shown_figures = figures
         self.cache_label.setText(figures.cache_text())
         text = figures.use_text()
-        rss = _process_rss()
+        if snapshot.time - self._rss_at >= STATUS_INTERVAL_S:
+            self._rss, self._rss_at = _process_rss(), snapshot.time
+        rss = self._rss
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
