@@ -321,9 +321,12 @@ class Engine:
                 if started:
                     # Shown before the step's forward passes run: a long prompt's first
                     # chunk takes seconds, and until now the job looked merely queued.
+                    # No more often than the loop publishes anyway: a snapshot costs the
+                    # other threads GIL time (the server's request threads, say).
                     self._drain_cache_events()
                     self._dispatch(started)
-                    self._publish_snapshot()
+                    if time.monotonic() - self._last_publish >= self.snapshot_interval:
+                        self._publish_snapshot()
                 events.extend(gen.advance())
             except Exception as exc:  # noqa: BLE001 - the thread must survive
                 self.loop_error = traceback.format_exc()
