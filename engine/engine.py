@@ -11,6 +11,7 @@ for a forward pass.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[JobEvent], None]
 
+# Snapshot versions are unique in the process, not per engine: a reader that skips a
+# version it has drawn must not skip a new engine's first snapshots (after a settings
+# change rebuilt the cache, the memory panel kept the old cache's figures).
+_SNAPSHOT_VERSIONS = itertools.count(1)
+
 # While the engine is idle and the disk tier's writer is still storing finished chats'
 # pages, a snapshot is published this often, so readers see the tier fill.
 DISK_PUBLISH_S = 0.25
@@ -59,13 +65,35 @@ class JobInfo:
     disk_pages: int = 0  # context pages read back from the disk tier on admission
     disk_bytes: int = 0
     disk_seconds: float = 0.0
+    wait_kind: str = ""  # `WaitKind`: why a pending job waits, as a word to branch on
+    # Prefill progress: tokens of the sequence in the cache now, of how many, and where
+    # and when this round's prefill began (so a reader measures the rate it runs at).
+    prefill_done: int = 0
+    prefill_total: int = 0
+    prefill_from: int = 0
+    prefill_since: float | None = None
+
+    def prefill_rate(self, now: float) -> float | None:
+        """Prompt tokens per second this prefill has computed, from its start to `now`
+        (the snapshot's time); None before any chunk has finished."""
+        if self.prefill_since is None or self.prefill_done <= self.prefill_from:
+            return None
+        seconds = now - self.prefill_since
+        return (self.prefill_done - self.prefill_from) / seconds if seconds > 0 else None
+
+    def prefill_eta(self, now: float) -> float | None:
+        """Seconds until the prompt is in the cache at the measured rate (None: no rate yet)."""
+        rate = self.prefill_rate(now)
+        if rate is None:
+            return None
+        return max(0, self.prefill_total - self.prefill_done) / rate
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What the engine's memory looks like after a step; safe to keep and read anywhere."""
 
-    version: int  # snapshots published so far; unchanged means nothing to redraw
+    version: int  # unique in the process, growing; unchanged means nothing to redraw
     time: float
     cache: CacheSnapshot
     stats: CacheStats
@@ -150,7 +178,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._snapshot: Published[EngineSnapshot] = Published()
         self._last_publish = 0.0
-        self._publishes = 0
         self._published_disk_changes = 0  # the disk tier's `changes` the last one showed
         self.loop_error: str = ""
 
@@ -290,7 +317,17 @@ class Engine:
                 self._publish_snapshot()
                 return
             try:
-                events.extend(gen.iterate())
+                started = gen.admit()
+                if started:
+                    # Shown before the step's forward passes run: a long prompt's first
+                    # chunk takes seconds, and until now the job looked merely queued.
+                    # No more often than the loop publishes anyway: a snapshot costs the
+                    # other threads GIL time (the server's request threads, say).
+                    self._drain_cache_events()
+                    self._dispatch(started)
+                    if time.monotonic() - self._last_publish >= self.snapshot_interval:
+                        self._publish_snapshot()
+                events.extend(gen.advance())
             except Exception as exc:  # noqa: BLE001 - the thread must survive
                 self.loop_error = traceback.format_exc()
                 log.error("engine step failed:\n%s", self.loop_error)
@@ -398,11 +435,10 @@ class Engine:
         snap = pages.snapshot()
         if snap.disk_records is not None:
             self._published_disk_changes = snap.disk_records.changes
-        self._publishes += 1
         jobs = [_job_info(job) for job in list(gen.active) + list(gen.pending)]
         host = pages.host_tier
         snapshot = EngineSnapshot(
-            version=self._publishes,
+            version=next(_SNAPSHOT_VERSIONS),
             time=time.monotonic(),
             cache=snap,
             stats=cache_stats(snap, self.cache.page_size),
@@ -421,6 +457,7 @@ class Engine:
 
 
 def _job_info(job: Job) -> JobInfo:
+    seq = job.sequences[0] if job.sequences else None
     return JobInfo(
         job_id=job.job_id,
         tag=job.tag,
@@ -435,6 +472,11 @@ def _job_info(job: Job) -> JobInfo:
         disk_pages=job.disk_pages,
         disk_bytes=job.disk_bytes,
         disk_seconds=job.disk_seconds,
+        wait_kind=str(job.wait_kind),
+        prefill_done=seq.stored if seq is not None else 0,
+        prefill_total=len(seq.tokens) if seq is not None else len(job.prompt_ids),
+        prefill_from=job.prefill_start,
+        prefill_since=job.prefill_since if job.state == JobState.PREFILL else None,
     )
 
 

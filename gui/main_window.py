@@ -15,14 +15,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, QSize, Qt
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import (
     QAction,
     QCloseEvent,
     QColor,
     QIcon,
     QKeySequence,
-    QPainter,
     QPixmap,
     QShortcut,
 )
@@ -57,6 +56,7 @@ from gui.chat.export import ExportError, ask_export_path, export_chat
 from gui.chat.presets import PresetStore
 from gui.chat.view import ChatView
 from gui.data_folder import problem_dialog
+from gui.elided_label import ElidedLabel
 from gui.help_dialog import MemoryHelpDialog, ShortcutsDialog
 from gui.models.loading import process_memory_tip
 from gui.models.model_bar import LoadStatus, ModelPicker
@@ -64,12 +64,14 @@ from gui.palette import API_COLOR, palette_for
 from gui.server_dialog import LocalServerSettings, ServerDialog
 from gui.settings_dialog import EngineSettings, SettingsDialog
 from gui.settings_hints import PromptLengths, shared_prefix_tokens, work_lost
+from gui.status import MemoryFigures, engine_words, memory_figures
 from gui.store import Store, StoreError, StoreMode
 from gui.views.page_map_model import disk_pages
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5  # the status bar's figures need not move at 10 Hz
+CHAT_MIN_WIDTH = 520  # narrower, and a reply wraps every few words
 
 
 def make_memory_panel() -> QWidget:
@@ -117,23 +119,6 @@ def disk_status(disk: DiskTierStats, records: int, location: str) -> tuple[str, 
             f"{tip}\n{disk.status[:1].upper()}{disk.status[1:]}.",
         )
     return f"disk cache {pages} · {format_bytes(disk.bytes)}", tip
-
-
-class ElidedLabel(QLabel):
-    """A status-bar label that ends in "…" when the bar is too narrow for it (the
-    model's name and format are long, and the server's address shares the bar) instead
-    of being cut mid-word."""
-
-    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
-        hint = super().minimumSizeHint()
-        return QSize(min(hint.width(), 160), hint.height())
-
-    def paintEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
-        painter = QPainter(self)
-        self.drawFrame(painter)  # the style sheet's border, as QLabel draws it
-        rect = self.contentsRect()
-        text = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
-        painter.drawText(rect, int(self.alignment()), text)
 
 
 class ConversationList(QWidget):
@@ -190,6 +175,9 @@ class MainWindow(QMainWindow):
         self.model_manager: Any = None  # gui.model_manager.ModelManager, built on first use
         self.model_info: ModelInfo | None = None
         self._last_status = 0.0
+        self._shown_figures: MemoryFigures | None = None
+        self._loading = ""  # what the status bar says while a load or rebuild runs
+        self._rss, self._rss_at = 0, float("-inf")  # the process size, read twice a second
         self._closing = False
         self._chat_names: dict[int, str] = {}
 
@@ -201,6 +189,9 @@ class MainWindow(QMainWindow):
         self.splitter.addWidget(self.chat_view)
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
+        # Neither side drags shut (nor comes back shut from a saved layout): the list
+        # is how one gets to the other chats.
+        self.splitter.setChildrenCollapsible(False)
         self.splitter.setSizes([230, 700])
         self.setCentralWidget(self.splitter)
 
@@ -209,7 +200,8 @@ class MainWindow(QMainWindow):
         self.memory_dock.setObjectName("memory_dock")
         # A fixed minimum and an ignored size hint: the views' labels change as chats
         # come and go, and a hint that moves re-lays out the whole window each time.
-        self.memory_panel.setMinimumSize(380, 300)
+        hint = self.memory_panel.minimumSizeHint()
+        self.memory_panel.setMinimumSize(max(380, hint.width()), 300)
         self.memory_panel.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
         self.memory_dock.setWidget(self.memory_panel)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.memory_dock)
@@ -407,6 +399,36 @@ class MainWindow(QMainWindow):
             panel.chat_selected.connect(self._on_memory_chat_selected)
         if hasattr(panel, "page_clicked"):
             panel.page_clicked.connect(self._on_page_clicked)
+        # The panel is not fed while hidden: shown again, it gets the latest state now.
+        self.memory_dock.visibilityChanged.connect(
+            lambda visible: visible and self.bridge.poll_snapshot(force=True)
+        )
+
+    # -- the window's width -----------------------------------------------------------
+
+    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        old = event.oldSize()
+        if not old.isValid() or event.size().width() < old.width():
+            QTimer.singleShot(0, self._make_room_for_the_chat)
+
+    def _make_room_for_the_chat(self) -> None:
+        """A window made narrower takes the width from the chat alone (the dock and the
+        list keep theirs), until its replies wrap every few words; so the dock, then the
+        list, give back width down to their own minimum first."""
+        short = CHAT_MIN_WIDTH - self.chat_view.width()
+        dock = self.memory_dock
+        if short > 0 and dock.isVisible() and not dock.isFloating():
+            give = min(short, dock.width() - dock.minimumSizeHint().width())
+            if give > 0:
+                self.resizeDocks([dock], [dock.width() - give], Qt.Orientation.Horizontal)
+                # The chat's new width shows once the layout has run: the list next.
+                QTimer.singleShot(0, self._make_room_for_the_chat)
+                return
+        list_width, chat_width = self.splitter.sizes()
+        give = min(short, list_width - self.chats.minimumSizeHint().width())
+        if give > 0:
+            self.splitter.setSizes([list_width - give, chat_width + give])
 
     # -- settings (QSettings) ---------------------------------------------------------
 
@@ -464,6 +486,7 @@ class MainWindow(QMainWindow):
     def load_model(self, path: str | Path) -> None:
         self.model_label.setText(f"loading {Path(path).name}…")
         self.load_status.start(Path(path).stem)
+        self._show_loading("loading the model…")
         self.bridge.load(
             path,
             self.engine_settings.cache_settings(),
@@ -474,6 +497,7 @@ class MainWindow(QMainWindow):
     def use_loaded(self, loaded: Any) -> None:
         """Start the engine on a model already loaded (tests, embedding)."""
         self.load_status.start(loaded.name, "Starting")
+        self._show_loading("starting the engine…")
         self.bridge.use_loaded(
             loaded,
             self.engine_settings.cache_settings(),
@@ -523,8 +547,16 @@ class MainWindow(QMainWindow):
         )
         self.device_label.setText(info.device)
         self._last_status = 0.0
+        self._loading = ""
+
+    def _show_loading(self, text: str) -> None:
+        """The status bar says so while a load or rebuild runs (the old engine's
+        snapshots may still come in meanwhile: they do not say "idle" over it)."""
+        self._loading = text
+        self.jobs_label.setText(text)
 
     def on_engine_failed(self, message: str) -> None:
+        self._loading = ""
         self.load_status.finish()
         self.model_picker.select_loaded()
         if self.model_info is None:
@@ -538,23 +570,22 @@ class MainWindow(QMainWindow):
         feed = getattr(self.memory_panel, "feed", None)
         if feed is not None and self.memory_dock.isVisible():
             feed(snapshot, self.bridge.telemetry, self.bridge.tokenizer)
-        if snapshot.time - self._last_status >= STATUS_INTERVAL_S or not snapshot.jobs:
+        # The cache's figures as soon as they move (the panel shows them too: the two
+        # must agree); the jobs' progress and the process size twice a second.
+        figures = memory_figures(snapshot)
+        due = snapshot.time - self._last_status >= STATUS_INTERVAL_S
+        if due or figures != self._shown_figures or not snapshot.jobs:
             self._last_status = snapshot.time
             self.update_status(snapshot)
 
     def update_status(self, snapshot: EngineSnapshot) -> None:
-        stats = snapshot.stats
-        page_bytes = snapshot.cache_bytes / max(1, snapshot.num_pages)
-        tokens = snapshot.num_pages * snapshot.page_size
-        self.cache_label.setText(
-            f"{snapshot.num_pages} pages × {snapshot.page_size} = {tokens:,} tokens"
-            f" · {format_bytes(snapshot.cache_bytes, binary=True)} KV"
-        )
-        used = (stats.pages_referenced + stats.pages_cached) * page_bytes
-        text = f"{format_bytes(used, binary=True)} KV in use"
-        if snapshot.host_bytes:
-            text += f" · host tier {format_bytes(snapshot.host_bytes, binary=True)}"
-        rss = _process_rss()
+        figures = memory_figures(snapshot)
+        self._shown_figures = figures
+        self.cache_label.setText(figures.cache_text())
+        text = figures.use_text()
+        if snapshot.time - self._rss_at >= STATUS_INTERVAL_S:
+            self._rss, self._rss_at = _process_rss(), snapshot.time
+        rss = self._rss
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
         self.memory_label.setText(text)
@@ -570,6 +601,9 @@ class MainWindow(QMainWindow):
                     snapshot.cache_bytes,
                     snapshot.host_bytes,
                 )
+                + "\n\nIn use: pages running replies hold. Reclaimable: pages of earlier"
+                " prompts, kept so a chat that repeats them skips their prefill; a reply"
+                " that needs room takes them over."
             )
         disk = snapshot.cache.disk
         self.disk_label.setVisible(disk is not None)
@@ -579,10 +613,8 @@ class MainWindow(QMainWindow):
             )
             self.disk_label.setText(text)
             self.disk_label.setToolTip(tip)
-        running = sum(1 for j in snapshot.jobs if j.state != "pending")
-        queued = len(snapshot.jobs) - running
-        jobs = f"{running} job{'s' if running != 1 else ''} · {queued} queued"
-        self.jobs_label.setText(jobs if snapshot.jobs else "idle")
+        loading = self._loading if self.bridge.busy else ""
+        self.jobs_label.setText(loading or engine_words(snapshot))
 
     # -- settings dialog --------------------------------------------------------------
 
@@ -635,6 +667,7 @@ class MainWindow(QMainWindow):
             self.load_model(self.bridge.loaded.path)
         elif rebuild and self.bridge.loaded is not None:
             self.load_status.start(self.bridge.loaded.name, "Rebuilding the KV cache of")
+            self._show_loading("building the new KV cache…")
             self.bridge.rebuild(new.cache_settings(), new.generator_settings())
         self.model_picker.refresh()  # fits are priced for the cache chosen
         return True

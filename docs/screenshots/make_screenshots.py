@@ -4,7 +4,10 @@
 
 main_window.png: two chats sharing a system prompt, the second one mid-reply, the
 memory views in their dock. memory_panel.png / memory_panel_dark.png: the memory
-panel alone, light and dark, fed the same moment's snapshot.
+panel alone, light and dark, fed the same moment's snapshot. main_window_1024.png /
+main_window_1024_dark.png: the same window at 1024x700 (the smallest size the layout is
+made for), light and dark; main_window_1024_settings.png: there with the chat's
+"System prompt and sampling" open.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ SYSTEM = (
     "so when you are unsure instead of guessing. Never invent sources or figures."
 )
 WINDOW_SIZE = (1500, 900)
+SMALL_SIZE = (1024, 700)
 PANEL_SIZE = (640, 1000)
+SHOTS = (
+    "main_window.png",
+    "memory_panel.png",
+    "memory_panel_dark.png",
+    "main_window_1024.png",
+    "main_window_1024_settings.png",
+    "main_window_1024_dark.png",
+)
 
 
 def wait(app: QApplication, condition, timeout: float = 120.0) -> None:
@@ -45,6 +57,50 @@ def wait(app: QApplication, condition, timeout: float = 120.0) -> None:
 def pause(app: QApplication, seconds: float) -> None:
     end = time.monotonic() + seconds
     wait(app, lambda: time.monotonic() >= end)
+
+
+def dark_qt_palette():
+    """A dark palette for the Qt widgets around the views (the offscreen platform has no
+    OS colour scheme to follow); the chat and the memory views pin their own."""
+    from PySide6.QtGui import QColor, QPalette
+
+    pal = QPalette()
+    roles = QPalette.ColorRole
+    for role, color in (
+        (roles.Window, "#202226"), (roles.WindowText, "#E6E6E6"), (roles.Base, "#17181B"),
+        (roles.AlternateBase, "#26282C"), (roles.Text, "#E6E6E6"), (roles.Button, "#2B2D31"),
+        (roles.ButtonText, "#E6E6E6"), (roles.Highlight, "#3B6EA8"),
+        (roles.HighlightedText, "#FFFFFF"), (roles.PlaceholderText, "#8A8F98"),
+        (roles.ToolTipBase, "#2B2D31"), (roles.ToolTipText, "#E6E6E6"), (roles.Link, "#7FB2FF"),
+    ):  # fmt: skip
+        pal.setColor(role, QColor(color))
+    return pal
+
+
+def small_window_shots(app: QApplication, window, out: Path) -> None:
+    """The window at 1024x700 while the reply still streams: as it is, with the chat's
+    settings open, and dark. The panel and the status bar show one snapshot each time."""
+    window.resize(*SMALL_SIZE)
+    panel = window.memory_panel
+
+    def take(name: str) -> None:
+        pause(app, 0.3)  # the layout settles over a few passes
+        snapshot = window.bridge.engine.snapshot()
+        panel.refresh(snapshot, window.bridge.telemetry, window.bridge.tokenizer)
+        window.update_status(snapshot)
+        app.processEvents()
+        window.grab().save(str(out / name), "PNG", 0)
+
+    take("main_window_1024.png")
+    window.chat_view.settings.toggle.setChecked(True)
+    take("main_window_1024_settings.png")
+    window.chat_view.settings.toggle.setChecked(False)
+    light = app.palette()
+    app.setPalette(dark_qt_palette())
+    window.chat_view.set_dark(True)
+    panel.set_dark(True)
+    take("main_window_1024_dark.png")
+    app.setPalette(light)  # the panel's own shots next, light first
 
 
 def send(window, text: str, max_new_tokens: int) -> None:
@@ -69,6 +125,9 @@ def main(out: Path) -> None:
     if icon is not None:
         app.setWindowIcon(icon)
     folder = Path(tempfile.mkdtemp(prefix="folio_shots_"))
+    # A prompt cache on disk of its own: the user's (or an earlier run's) would show up
+    # in the page map and the tree, and every run would differ.
+    os.environ["FOLIO_KV_CACHE_DIR"] = str(folder / "kv")
     settings = QSettings(str(folder / "folio.ini"), QSettings.Format.IniFormat)
     engine = EngineSettings(page_size=16, budget=2048, max_chunk_size=64, max_batch_size=8)
     settings.setValue("engine/settings", json.dumps(engine.as_dict()))
@@ -98,6 +157,7 @@ def main(out: Path) -> None:
     pause(app, 0.3)  # let the last paint land
     out.mkdir(parents=True, exist_ok=True)
     window.grab().save(str(out / "main_window.png"), "PNG", 0)
+    small_window_shots(app, window, out)
 
     # The panel alone, light and dark, from the same moment.
     for dark, name in ((False, "memory_panel.png"), (True, "memory_panel_dark.png")):
@@ -113,7 +173,7 @@ def main(out: Path) -> None:
         alone.grab().save(str(out / name), "PNG", 0)
         alone.close()
     window.close()
-    for name in ("main_window.png", "memory_panel.png", "memory_panel_dark.png"):
+    for name in SHOTS:
         print(f"{out / name}: {(out / name).stat().st_size // 1024} KB")
 
 

@@ -192,8 +192,18 @@ class Generator:
 
     def iterate(self) -> list[JobEvent]:
         """One step; returns the events of every job, in order."""
+        return self.admit() + self.advance()
+
+    def admit(self) -> list[JobEvent]:
+        """A step's first half: start the pending jobs that fit (their "started"
+        events). The engine publishes what started before `advance` runs the forwards."""
         events: list[JobEvent] = []
         self.start_pending_jobs(events)
+        return events
+
+    def advance(self) -> list[JobEvent]:
+        """A step's second half: one prefill chunk per job, one decode forward, stops."""
+        events: list[JobEvent] = []
         prefilled = self.prefill(events)
         decoded = self.decode(events)
         self._defrag_when_drained()

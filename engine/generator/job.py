@@ -203,6 +203,16 @@ class JobState(StrEnum):
     DONE = "done"
 
 
+class WaitKind(StrEnum):
+    """Why a pending job waits (its `wait_reason` says it with the figures)."""
+
+    NONE = ""  # nothing stops it: it starts at the next step
+    BATCH = "batch"  # every batch slot is taken
+    MEMORY = "memory"  # too few free pages in the cache
+    HELD = "held"  # a job ahead of it was skipped too often and goes first
+    DISK = "disk"  # its cached pages are being read back from the disk tier
+
+
 class EventKind(StrEnum):
     STARTED = "started"
     PREFILL = "prefill"
@@ -318,7 +328,9 @@ class Job:
     sequences: list[Sequence] = field(default_factory=list)
     skips: int = 0
     wait_reason: str = ""
+    wait_kind: WaitKind = WaitKind.NONE
     started: float | None = None
+    prefill_since: float | None = None  # when this round's prefill began (admission)
     first_token: float | None = None
     cached_tokens: int = 0
     disk_pages: int = 0  # context pages read back from the disk tier on admission
@@ -348,6 +360,10 @@ class Job:
 
     def note_peak_pages(self) -> None:
         self.peak_pages = max(self.peak_pages, len(self.held_pages()))
+
+    def wait(self, kind: WaitKind, reason: str) -> None:
+        self.wait_kind = kind
+        self.wait_reason = reason
 
     def prefill_event(self, kind: EventKind) -> JobEvent:
         """A started or prefill-progress event: how much of the prompt is in the cache."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from engine.cache.page import CacheFullError
 from engine.cache.page_table import PageTable
-from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobState
+from engine.generator.job import EventKind, Job, JobEvent, JobRequest, JobState, WaitKind
 from engine.generator.settings import GeneratorSettings
 
 
@@ -66,19 +66,26 @@ class Scheduler:
                 refused.append((job, too_wide))
                 continue
             if held_back:
-                job.wait_reason = "held: a job ahead of it was skipped too often and goes first"
+                job.wait(
+                    WaitKind.HELD, "held: a job ahead of it was skipped too often and goes first"
+                )
                 continue
             seq = job.sequences[0]
             rq = self._round_tokens(job)
             total = self.pages.pages_total(len(seq.tokens), rq)
             need = self.pages.pages_needed(seq.tokens, rq, reuse) + self._cow_pages(job, total)
             if job.width > slots:
-                job.wait_reason = f"batch full: needs {job.width} slot(s), {max(slots, 0)} free"
+                job.wait(
+                    WaitKind.BATCH, f"batch full: needs {job.width} slot(s), {max(slots, 0)} free"
+                )
             elif need > available:
-                job.wait_reason = f"not enough free pages: needs {need}, {max(available, 0)} free"
+                job.wait(
+                    WaitKind.MEMORY,
+                    f"not enough free pages: needs {need}, {max(available, 0)} free",
+                )
             elif self.active and reuse and self.pages.read_ahead(seq.tokens):
                 # Its pages come off the disk on the reader thread while the others step.
-                job.wait_reason = "reading its cached pages from disk"
+                job.wait(WaitKind.DISK, "reading its cached pages from disk")
                 continue
             else:
                 self.pending.remove(job)
@@ -123,7 +130,8 @@ class Scheduler:
         seq.alloc = self.pages.allocate(seq.seq_id, seq.tokens, rq, self.settings.prefix_caching)
         seq.stored = seq.alloc.cached_tokens
         job.prefill_start = seq.stored
-        job.wait_reason = ""
+        job.prefill_since = self.clock()
+        job.wait(WaitKind.NONE, "")
         job.state = JobState.PREFILL
         self.active.append(job)
         job.note_peak_pages()

@@ -99,8 +99,8 @@ def format_figures(stats: dict[str, Any]) -> str:
     """'27 prompt · 19 cached · 30 new · prefill 0.36 s (22 tok/s) · decode 18 tok/s'; a
     reply whose context came back from the disk tier says so: '2,100 cached (63 pages from
     disk: 92.9 MB in 0.08 s)'."""
-    if not stats:
-        return ""
+    if "prompt_tokens" not in stats:  # none yet (a reply still streaming keeps only
+        return ""  # what its context left out): zeros would read as measured
     cached = f"{stats.get('cached_tokens', 0)} cached"
     if stats.get("disk_pages"):
         cached += (
@@ -208,10 +208,12 @@ class MessageBubble(QFrame):
         self.role_label = QLabel("You" if role == "user" else "Assistant")
         self.role_label.setObjectName("role")
         head.addWidget(self.role_label)
+        # Wraps: why a reply waits takes a sentence, and a one-line label that long
+        # would hold the whole chat wider than the window.
         self.status = QLabel()
         self.status.setObjectName("status")
-        head.addWidget(self.status)
-        head.addStretch(1)
+        self.status.setWordWrap(True)
+        head.addWidget(self.status, 1)
         self.prev_button = QToolButton()
         self.prev_button.setText("‹")
         self.prev_button.setToolTip("Previous version")

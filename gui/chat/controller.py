@@ -22,10 +22,12 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
+from engine.engine import EngineSnapshot
 from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
 from gui.bridge import EngineBridge
 from gui.chat.context import ContextPlan, ContextPlanner, ContextPolicy, ContextWindow, Entry
+from gui.status import job_words, prefill_words
 from gui.store import Message, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,7 @@ class ChatController(QObject):
         self._planner: ContextPlanner | None = None
         self._planned_for: object = None  # the tokenizer `_planner` counts with
         bridge.job_events.connect(self.on_job_events)
+        bridge.snapshot_ready.connect(self.on_snapshot)
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.save_partials)
@@ -438,10 +441,8 @@ class ChatController(QObject):
             gen = self.generations.get(event.job_id)
             if gen is None:
                 continue
-            if event.kind == EventKind.PREFILL and event.prefill_total:
-                gen.status = f"prefill {event.prefill_done}/{event.prefill_total}"
-            elif event.kind == EventKind.STARTED:
-                gen.status = "prefill"
+            if event.kind in (EventKind.STARTED, EventKind.PREFILL) and event.prefill_total:
+                gen.status = prefill_words(event.prefill_done, event.prefill_total)
             elif event.kind == EventKind.STREAMING and event.text:
                 if 0 <= event.index < len(gen.texts):
                     gen.texts[event.index] += event.text
@@ -452,6 +453,22 @@ class ChatController(QObject):
                 finished.append((gen, event))
         for gen, event in finished:
             self._finish(gen, event.result)
+
+    @Slot(object)
+    def on_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """Each reply's state as the engine's snapshot has it: why it waits, how far its
+        prefill is and the time left (events only say a chunk ended)."""
+        if not self.generations:
+            return
+        jobs = {job.job_id: job for job in snapshot.jobs}
+        for gen in self.generations.values():
+            job = jobs.get(gen.job_id)
+            if job is None or job.state == "decode" or gen.status == "stopping":
+                continue  # not in the engine yet, streaming (its events say so), or ending
+            status = job_words(job, snapshot.time)
+            if status != gen.status:
+                gen.status = status
+                gen.changed = True
 
     def _finish(self, gen: Generation, result: JobResult | None) -> None:
         del self.generations[gen.job_id]

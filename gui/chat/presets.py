@@ -134,7 +134,7 @@ class PresetPicker(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         self.combo = QComboBox()
         self.combo.setToolTip("Fill the system prompt from a preset")
-        self.combo.setMinimumContentsLength(18)
+        self.combo.setMinimumContentsLength(12)
         self.combo.setSizeAdjustPolicy(
             QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
         )

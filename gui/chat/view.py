@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFormLayout,
     QFrame,
+    QGridLayout,
     QHBoxLayout,
     QLabel,
     QLineEdit,
@@ -34,6 +35,7 @@ from gui.chat.context import DEFAULT_POLICY, ContextPolicy
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
 from gui.chat.gauge import REFRESH_MS, ContextGauge
 from gui.chat.presets import PresetPicker, PresetStore
+from gui.elided_label import ElidedLabel
 from gui.palette import palette_for
 from gui.store import Message, Store, StoreError
 
@@ -70,7 +72,7 @@ class ConversationSettings(QFrame):
         self.toggle.setArrowType(Qt.ArrowType.RightArrow)
         self.toggle.setText("System prompt and sampling")
         self.toggle.toggled.connect(self._set_open)
-        self.summary = QLabel()
+        self.summary = ElidedLabel(min_width=40)
         self.summary.setObjectName("hint")
         head = QHBoxLayout()
         head.addWidget(self.toggle)
@@ -80,12 +82,13 @@ class ConversationSettings(QFrame):
         self.panel = QWidget()
         form = QFormLayout(self.panel)
         form.setContentsMargins(8, 0, 8, 4)
+        # In a narrow window a field goes under its label rather than beside it.
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("Instructions the model sees before the chat")
         self.system_prompt.setMaximumHeight(70)
         form.addRow("System prompt", self.system_prompt)
         self._add_preset_row(form)
-        row = QHBoxLayout()
         self.temperature = _spin(0.0, 2.0, 0.05, 2, "Temperature (0 = greedy)")
         self.top_p = _spin(0.05, 1.0, 0.05, 2, "Top-p (1 = off)")
         self.top_k = QSpinBox()
@@ -97,19 +100,25 @@ class ConversationSettings(QFrame):
         self.max_tokens.setToolTip("Longest reply, in tokens")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
-        self.seed.setFixedWidth(80)
-        for label, widget in (
+        self.seed.setMinimumWidth(self.seed.fontMetrics().horizontalAdvance("random") + 24)
+        # Two rows of three: one row of six needed 840 px, more than the chat gets in a
+        # 1024 px window, and the layout then squeezed the boxes until "0.70" read "0".
+        sampling = QWidget()
+        grid = QGridLayout(sampling)
+        grid.setContentsMargins(0, 0, 0, 0)
+        for i, (label, widget) in enumerate((
             ("temp", self.temperature),
             ("top-p", self.top_p),
             ("top-k", self.top_k),
             ("rep.", self.repetition),
             ("max tokens", self.max_tokens),
             ("seed", self.seed),
-        ):
-            row.addWidget(QLabel(label))
-            row.addWidget(widget)
-        row.addStretch(1)
-        form.addRow("Sampling", row)
+        )):  # fmt: skip
+            row, col = divmod(i, 3)
+            grid.addWidget(QLabel(label), row, 2 * col)
+            grid.addWidget(widget, row, 2 * col + 1)
+        grid.setColumnStretch(6, 1)
+        form.addRow("Sampling", sampling)
         self.policy = QComboBox()
         for policy in ContextPolicy:
             self.policy.addItem(policy.label, policy.value)
@@ -124,10 +133,8 @@ class ConversationSettings(QFrame):
         self.policy_hint = QLabel()
         self.policy_hint.setObjectName("hint")
         self.policy_hint.setWordWrap(True)
-        policy_row = QHBoxLayout()
-        policy_row.addWidget(self.policy)
-        policy_row.addWidget(self.policy_hint, 1)
-        form.addRow("Long chats", policy_row)
+        form.addRow("Long chats", self.policy)
+        form.addRow(self.policy_hint)  # the whole width: a few lines, not a narrow column
         outer.addWidget(self.panel)
         self.panel.setVisible(False)
         for spin in (self.temperature, self.top_p, self.repetition):
@@ -206,6 +213,7 @@ class ConversationSettings(QFrame):
             f"{prompt or 'no system prompt'} · temp {self.temperature.value():g}"
             f" · max {self.max_tokens.value()} tokens · long chats: {policy.label.lower()}"
         )
+        self.summary.setToolTip(self.summary.text())
 
 
 def _spin(lo: float, hi: float, step: float, decimals: int, tip: str) -> QDoubleSpinBox:

@@ -21,12 +21,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from gui.palette import Palette, palette_for
 
 RATE_WINDOW_S = 1.0  # tokens/s are averaged over this trailing window
 TIME_WINDOWS_S = (10.0, 20.0, 30.0, 60.0)  # the x range: the first that holds the history
+MIN_HEIGHT = 170  # two rows of plots with a readable curve each
 
 
 def nice_ceiling(value: float) -> float:
@@ -81,35 +83,42 @@ class ThroughputGraphs(QWidget):
         self._y_top: dict[str, float] = {}  # the y ceiling each plot shows now
         self._x_window = 0.0
         self._build()
-        self.setMinimumHeight(220)
+
+    def _hold_plots(self) -> None:
+        """The widget's minimum is what its plots need (titles and axes): below it the
+        scene would be cut at the right edge, not shrunk."""
+        need = self.view.ci.effectiveSizeHint(Qt.SizeHint.MinimumSize)
+        self.setMinimumSize(math.ceil(need.width()) + 2, max(math.ceil(need.height()), MIN_HEIGHT))
 
     def _build(self) -> None:
         pal = self.palette_
         self.view.clear()
         self.view.setBackground(pal.background)
+        self.view.ci.layout.setContentsMargins(2, 2, 2, 2)
+        self.view.ci.layout.setHorizontalSpacing(4)
 
         def key(*pairs: tuple[str, str]) -> str:
             # The title doubles as the legend (a legend box would cover the curves).
             return " ".join(
-                f"<span style='color:{c}'>■</span><span style='color:{pal.foreground}'> {t}</span>"
+                f"<span style='color:{c}'>■</span><span style='color:{pal.foreground}'>\u2009{t}</span>"
                 for t, c in pairs
             )
 
         specs = [
             ("rate", key(("prefill", pal.prefill), ("decode tok/s", pal.decode)), 0, 0),
-            ("batch", key(("batch size", pal.batch), ("queued", pal.queue)), 0, 1),
+            ("batch", key(("batch", pal.batch), ("queued", pal.queue)), 0, 1),
             (
                 "pages",
                 key(
                     ("in use", pal.in_use),
                     ("cached", pal.cached),
                     ("host", pal.host),
-                    ("free pages", pal.free),
+                    ("free", pal.free),
                 ),
                 1,
                 0,
             ),  # fmt: skip
-            ("hits", key(("prefix hit rate %", pal.hit_rate)), 1, 1),
+            ("hits", key(("prefix hits %", pal.hit_rate)), 1, 1),
         ]
         for name, title, row, col in specs:
             plot = self.view.addPlot(row=row, col=col)
@@ -128,7 +137,7 @@ class ThroughputGraphs(QWidget):
                 ax = plot.getAxis(axis)
                 ax.setPen(pg.mkPen(pal.muted_text))
                 ax.setTextPen(pg.mkPen(pal.muted_text))
-            plot.getAxis("left").setWidth(34)
+            plot.getAxis("left").setWidth(30)
             plot.disableAutoRange()
             self.plots[name] = plot
         for name in ("batch", "hits"):
@@ -139,6 +148,7 @@ class ThroughputGraphs(QWidget):
         self.plots["hits"].getAxis("left").setTicks([[(v, str(v)) for v in (0, 50, 100)]])
         self._y_top = {"hits": 100.0}
         self._x_window = 0.0
+        self._hold_plots()
 
         def curve(plot: str, name: str, color: str, label: str, **kw: Any) -> None:
             item = self.plots[plot].plot(
@@ -177,6 +187,8 @@ class ThroughputGraphs(QWidget):
     def update_from(self, telemetry: TelemetryLike, now: float | None = None) -> bool:
         """Redraw from the telemetry's series; returns False when nothing was new.
         ``now`` (the telemetry clock) sets the right edge; the last record otherwise."""
+        if telemetry is not self._telemetry:
+            self._version = -1  # another engine's telemetry: its versions start again
         self._telemetry = telemetry
         version = telemetry.version
         if version == self._version and now is None:

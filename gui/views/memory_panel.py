@@ -23,6 +23,7 @@ from PySide6.QtGui import QFontMetrics, QGuiApplication
 from PySide6.QtWidgets import QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
 
 from gui.palette import ChatColors, Palette, os_prefers_dark, palette_for
+from gui.status import memory_figures
 from gui.views.graphs import ThroughputGraphs
 from gui.views.legend import LegendBar
 from gui.views.page_map import PageMapView
@@ -137,8 +138,13 @@ class MemoryPanel(QWidget):
     def _store(self, snapshot: Any, telemetry: Any, tokenizer: Any) -> None:
         if snapshot is not None:
             self._snapshot = snapshot
-        if telemetry is not None:
+        if telemetry is not None and telemetry is not self._telemetry:
+            # A new engine (a model switch, a settings change): its event numbers and
+            # versions start again, so nothing drawn from the old one counts.
             self._telemetry = telemetry
+            self._events_since = 0
+            self._tree_events = []
+            self._drawn.clear()
         if tokenizer is not None:
             self._tokenizer = tokenizer
 
@@ -250,15 +256,8 @@ class MemoryPanel(QWidget):
 
     def _update_header(self, snap: EngineSnapshot) -> None:
         # Jobs are counted in the queue panel and the status bar; the header is the
-        # cache's one line.
-        s = snap.stats
-        kv_mb = snap.cache_bytes / 2**20
-        text = (
-            f"KV cache {snap.num_pages} × {snap.page_size} tok"
-            f"{f' · {kv_mb:.0f} MB' if kv_mb else ''} · {s.pages_referenced} in use · "
-            f"{s.pages_cached} cached · {s.pages_free} free · "
-            f"hit rate {100 * s.prefix_hit_rate:.0f}%"
-        )
+        # cache's one line, in the status bar's words (`gui.status`).
+        text = memory_figures(snap).pages_text()
         if snap.cache.disk_records is not None:
             text += f" · {disk_pages(snap):,} on disk"
         if text != self._header_full:

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from engine.units import format_bytes
 from gui.palette import Palette, label_color_on
+from gui.status import prefill_words, wait_words
 from gui.views.base import ChatColoredView
 from gui.views.page_map_model import chat_key
 
@@ -35,8 +36,13 @@ if TYPE_CHECKING:
     from engine.engine import EngineSnapshot, JobInfo
 
 RATE_JOBS = 16  # finished jobs whose prefill prices a hit
+SUMMARY_LINES = 3
 
-COLUMNS = ("job", "chat", "state", "prompt", "cached", "new", "pages", "why / saved")
+# Why a job waits comes right after its state: in a narrow dock the last columns scroll
+# out of sight, and that is the one people look for.
+COLUMNS = ("job", "chat", "state", "why / saved", "prompt", "cached", "new", "pages")
+WHY = COLUMNS.index("why / saved")
+WHY_WIDTH = 220  # elided beyond it; the cell's tooltip holds the whole text
 
 
 def restore_text(pages: int, nbytes: int, seconds: float, page_size: int) -> str:
@@ -69,6 +75,7 @@ class QueuePanel(ChatColoredView):
         self.last_restore: tuple[int, int, int, float] | None = None
         self.page_size = 0
         self._jobs: list[JobInfo] = []
+        self._summary_parts: list[str] = []
         self.table = QTableWidget(0, len(COLUMNS), self)
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
         self.table.verticalHeader().setVisible(False)
@@ -78,12 +85,16 @@ class QueuePanel(ChatColoredView):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
+        header.setSectionResizeMode(WHY, QHeaderView.ResizeMode.Interactive)
+        header.resizeSection(WHY, WHY_WIDTH)
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.summary = QLabel(self)
         self.summary.setWordWrap(True)
         # Three lines, fixed: a caption whose height follows its text would re-lay out the
         # panel and repaint every view whenever a figure gains a digit.
-        self.summary.setFixedHeight(3 * QFontMetrics(self.summary.font()).lineSpacing() + 2)
+        self.summary.setFixedHeight(
+            SUMMARY_LINES * QFontMetrics(self.summary.font()).lineSpacing() + 2
+        )
         self.summary.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
         self.summary.setTextFormat(Qt.TextFormat.PlainText)
         layout = QVBoxLayout(self)
@@ -147,7 +158,8 @@ class QueuePanel(ChatColoredView):
         return out
 
     def summary_text(self) -> str:
-        return self.summary.text()
+        """The whole summary (what shows may leave its last parts to the tooltip)."""
+        return " · ".join(self._summary_parts)
 
     # -- drawing -------------------------------------------------------------------
 
@@ -164,16 +176,18 @@ class QueuePanel(ChatColoredView):
             key = chat_key(job.job_id, job.tag)
             name = self.chats.name(job.tag) if job.tag is not None else f"job {job.job_id}"
             if job.state == "pending":
-                why = job.wait_reason or "waiting for the next step"
+                why = wait_words(job.wait_kind, job.wait_reason)
                 if job.skips:
                     why += f" (skipped {job.skips}×)"
             else:
                 why = self._saving(job.cached_tokens)
+                if job.state == "prefill" and job.prefill_total:
+                    why = prefill_words(job.prefill_done, job.prefill_total) + " · " + why
                 if job.disk_pages:
                     disk = (job.disk_pages, job.disk_bytes, job.disk_seconds, self.page_size)
                     why += " · " + restore_text(*disk)
-            values = (str(job.job_id), name, job.state, str(job.prompt_tokens),
-                      str(job.cached_tokens), str(job.new_tokens), str(job.pages), why)  # fmt: skip
+            values = (str(job.job_id), name, job.state, why, str(job.prompt_tokens),
+                      str(job.cached_tokens), str(job.new_tokens), str(job.pages))  # fmt: skip
             for c, text in enumerate(values):
                 item = self.table.item(r, c)
                 if item is None:
@@ -185,7 +199,7 @@ class QueuePanel(ChatColoredView):
                     color = self.chats.color(key)
                     item.setBackground(QBrush(QColor(color)))
                     item.setForeground(QBrush(QColor(label_color_on(color))))
-                elif c == 7 and job.state == "pending":
+                elif c == WHY and job.state == "pending":
                     item.setForeground(QBrush(QColor(pal.evict)))
                 else:
                     item.setForeground(QBrush(QColor(pal.foreground)))
@@ -210,4 +224,27 @@ class QueuePanel(ChatColoredView):
         if self.last_restore is not None:
             job, *disk = self.last_restore
             parts.append(f"job {job} " + restore_text(*disk, self.page_size))
-        self.summary.setText(" · ".join(parts))
+        self._summary_parts = parts
+        self._fit_summary()
+
+    def _fit_summary(self) -> None:
+        """As many of the summary's parts as its three lines hold at this width (the
+        last ones go first); all of them in the tooltip."""
+        parts = self._summary_parts
+        width = max(self.summary.width(), 50)
+        metrics = QFontMetrics(self.summary.font())
+        flags = int(Qt.TextFlag.TextWordWrap)
+        kept = len(parts)
+        while kept > 1:
+            text = " · ".join(parts[:kept])
+            if metrics.boundingRect(0, 0, width, 10_000, flags, text).height() <= (
+                SUMMARY_LINES * metrics.lineSpacing()
+            ):
+                break
+            kept -= 1
+        self.summary.setText(" · ".join(parts[:kept]))
+        self.summary.setToolTip(" · ".join(parts) if kept < len(parts) else "")
+
+    def resizeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        super().resizeEvent(event)
+        self._fit_summary()

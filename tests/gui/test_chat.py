@@ -70,6 +70,8 @@ def test_figures_text():
     assert text.startswith("412 prompt · 384 cached · 57 new · prefill 0.10 s")
     assert "decode 61.5 tok/s" in text and text.endswith("stopped")
     assert format_figures({}) == ""
+    # A reply still streaming has only its context plan: no figures rather than zeros.
+    assert format_figures({"context": {"policy": "truncate", "dropped": []}}) == ""
 
 
 def test_bubbles_follow_the_theme(qtbot):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PySide6.QtCore import Qt
 
 from engine.cache.kv_cache import CacheSettings
 from engine.cache.page import PageState
@@ -327,7 +328,8 @@ def test_queue_panel_says_why_jobs_wait_and_what_hits_saved(qtbot):
     qtbot.addWidget(queue)
     snap = synthetic_snapshot(64, chats=2)
     waiting = JobInfo(9, "chat 9", "pending", 300, 0, 0, 2,
-                      "not enough free pages: needs 20, 3 free", (), 0)  # fmt: skip
+                      "not enough free pages: needs 20, 3 free", (), 0,
+                      wait_kind="memory")  # fmt: skip
     snap.jobs.append(waiting)
     # The finished job computed 480 of its 576 prompt tokens in 1 s: hits are priced at
     # that rate, the jobs' own, not at an engine-wide average that includes idle time.
@@ -337,12 +339,26 @@ def test_queue_panel_says_why_jobs_wait_and_what_hits_saved(qtbot):
     queue.set_snapshot(snap)
     rows = queue.rows()
     assert rows[-1]["state"] == "pending"
-    assert rows[-1]["why / saved"] == "not enough free pages: needs 20, 3 free (skipped 2×)"
+    why = rows[-1]["why / saved"]
+    assert why.startswith(
+        "waiting for memory: the KV cache has too few free pages (needs 20, 3 free)"
+    )
+    assert why.endswith("(skipped 2×)")
     assert rows[1]["why / saved"] == "hit: 48 tok ≈ 0.10 s saved"
     assert "2 running · 1 waiting" in queue.summary_text()
     summary = queue.summary_text()
     assert "saved 144 prompt tokens ≈ 0.30 s of prefill" in summary
     assert "recent jobs prefilled at 480 tok/s" in summary
+    # Narrow, the shown summary keeps to its three lines; the tooltip has all of it.
+    queue.resize(200, 300)
+    queue.show()
+    shown = queue.summary.text()
+    assert shown != summary and summary.startswith(shown) and queue.summary.toolTip() == summary
+    metrics = queue.summary.fontMetrics()
+    rect = metrics.boundingRect(
+        0, 0, queue.summary.width(), 10_000, int(Qt.TextFlag.TextWordWrap), shown
+    )
+    assert rect.height() <= 3 * metrics.lineSpacing()
 
 
 def test_dark_and_light_share_one_language(qtbot):
