@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QRadioButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -47,6 +48,7 @@ from engine.units import format_bytes
 from gui.worker import TaskRunner
 
 if TYPE_CHECKING:
+    from engine.remote.engine import RemoteSettings
     from gui.bridge import ModelInfo
 
 KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
@@ -101,6 +103,15 @@ REBUILD_NOTE = (
     "Applying these changes rebuilds the KV cache: replies in progress stop and "
     "cached prefixes are dropped."
 )
+SWITCH_NOTE = "Applying these changes switches the engine: replies in progress stop."
+REMOTE_TIP = (
+    "Chats stream from the server's /v1/chat/completions (vLLM, llama.cpp's llama-server, "
+    "another Folio's folio serve). The memory views draw what it publishes: graphs from "
+    "its /metrics; the page map and prefix tree from its KV-cache events when you give "
+    "their endpoint (vLLM: --kv-events-config, Folio: --kv-events), or from a Folio "
+    "server's own snapshot."
+)
+
 RELOAD_NOTE = (
     "Applying these changes loads the model again: replies in progress stop and "
     "cached prefixes are dropped."
@@ -124,6 +135,13 @@ class EngineSettings:
     disk_cache: bool = True  # the prompt cache on disk (docs/ENGINE.md §10)
     disk_gb: float = 0.0  # its budget per model; 0: the engine's default
     disk_dir: str = ""  # its location; "": engine.paths.kv_cache_dir()
+    # Which engine runs the chats: "local" (this computer's) or "remote" (a server at
+    # remote_url, with its API key and, optionally, its KV-event endpoints).
+    backend: str = "local"
+    remote_url: str = ""
+    remote_key: str = ""
+    remote_events: str = ""
+    remote_replay: str = ""
 
     REBUILD_FIELDS = (
         "page_size",
@@ -138,6 +156,30 @@ class EngineSettings:
         "disk_gb",
         "disk_dir",
     )
+
+    REMOTE_FIELDS = ("backend", "remote_url", "remote_key", "remote_events", "remote_replay")
+
+    @property
+    def remote(self) -> bool:
+        return self.backend == "remote"
+
+    def remote_settings(self) -> RemoteSettings:
+        from engine.remote.engine import RemoteSettings
+
+        return RemoteSettings(
+            url=self.remote_url,
+            api_key=self.remote_key or None,
+            kv_events=self.remote_events or None,
+            kv_events_replay=self.remote_replay or None,
+        )
+
+    def needs_switch(self, other: EngineSettings) -> bool:
+        """Another engine: local to remote, back, or another server."""
+        if self.backend != other.backend:
+            return True
+        return self.remote and any(
+            getattr(self, f) != getattr(other, f) for f in self.REMOTE_FIELDS
+        )
 
     def disk_location(self) -> Path:
         """Where the prompt cache on disk goes (whether or not it is on)."""
@@ -189,6 +231,10 @@ class EngineSettings:
             if settings.weights not in USER_WEIGHT_MODES:
                 raise ValueError(f"unknown weight mode {settings.weights!r}")
             _check_disk_fields(settings)
+            if settings.backend not in ("local", "remote") or not all(
+                isinstance(getattr(settings, f), str) for f in cls.REMOTE_FIELDS
+            ):
+                raise ValueError("engine: local or remote, and the server's fields as text")
             return settings
         except (TypeError, ValueError):
             return cls()
@@ -268,6 +314,11 @@ class SettingsDialog(QDialog):
         self.clear_disk = clear_disk
         self._disk_worker = TaskRunner(self, max_threads=1, thread_name="folio-disk-cache")
         layout = QVBoxLayout(self)
+        layout.addWidget(self._engine_box())
+        # This computer's engine: greyed out while a server elsewhere is the engine.
+        self.local_part = QWidget()
+        local = QVBoxLayout(self.local_part)
+        local.setContentsMargins(0, 0, 0, 0)
         form = QFormLayout()
 
         budget_row = QHBoxLayout()
@@ -314,10 +365,11 @@ class SettingsDialog(QDialog):
         form.addRow("Weights in memory", self.weights)
         self.weights_note = QLabel()
         self.weights_note.setWordWrap(True)
-        layout.addLayout(form)
+        local.addLayout(form)
         # Outside the form: a form row clips a word-wrapped label's later lines.
-        layout.addWidget(self.weights_note)
-        layout.addWidget(self._disk_box())
+        local.addWidget(self.weights_note)
+        local.addWidget(self._disk_box())
+        layout.addWidget(self.local_part)
 
         self.rebuild_note = QLabel(REBUILD_NOTE)
         self.rebuild_note.setWordWrap(True)
@@ -339,8 +391,42 @@ class SettingsDialog(QDialog):
         self.disk_gb.valueChanged.connect(self._update_note)
         self.disk_dir.textChanged.connect(self._update_note)
         self.disk_dir.editingFinished.connect(self._show_disk_usage)
+        self.use_remote.toggled.connect(self._update_note)
+        for edit in (self.remote_url, self.remote_key, self.remote_events, self.remote_replay):
+            edit.textChanged.connect(self._update_note)
         self._update_note()
         self._show_disk_usage()
+
+    def _engine_box(self) -> QGroupBox:
+        box = QGroupBox("Engine")
+        box.setToolTip(REMOTE_TIP)
+        form = QFormLayout(box)
+        self.use_local = QRadioButton("This computer")
+        self.use_remote = QRadioButton("A server at")
+        self.remote_url = QLineEdit()
+        self.remote_url.setPlaceholderText("http://192.168.1.20:8000")
+        row = QHBoxLayout()
+        row.addWidget(self.use_remote)
+        row.addWidget(self.remote_url, 1)
+        form.addRow(self.use_local)
+        form.addRow(row)
+        self.remote_key = QLineEdit()
+        self.remote_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.remote_key.setPlaceholderText("none")
+        form.addRow("API key", self.remote_key)
+        self.remote_events = QLineEdit()
+        self.remote_events.setPlaceholderText("optional: tcp://host:5557")
+        self.remote_events.setToolTip("The server's KV-cache event endpoint (ZMQ PUB)")
+        form.addRow("KV events", self.remote_events)
+        self.remote_replay = QLineEdit()
+        self.remote_replay.setPlaceholderText("optional: tcp://host:5558")
+        self.remote_replay.setToolTip("Its replay endpoint, for events sent before the app joined")
+        form.addRow("Event replay", self.remote_replay)
+        self.remote_error = QLabel()
+        self.remote_error.setWordWrap(True)
+        self.remote_error.setStyleSheet("color: #B3261E;")
+        form.addRow(self.remote_error)
+        return box
 
     def _disk_box(self) -> QGroupBox:
         box = QGroupBox("Prompt cache on disk")
@@ -447,6 +533,11 @@ class SettingsDialog(QDialog):
         self.disk_on.setChecked(s.disk_cache)
         self.disk_gb.setValue(s.disk_gb)
         self.disk_dir.setText(s.disk_dir)
+        (self.use_remote if s.remote else self.use_local).setChecked(True)
+        self.remote_url.setText(s.remote_url)
+        self.remote_key.setText(s.remote_key)
+        self.remote_events.setText(s.remote_events)
+        self.remote_replay.setText(s.remote_replay)
 
     def values(self) -> EngineSettings:
         return EngineSettings(
@@ -463,6 +554,11 @@ class SettingsDialog(QDialog):
             disk_cache=self.disk_on.isChecked(),
             disk_gb=self.disk_gb.value(),
             disk_dir=self._disk_dir_value(),
+            backend="remote" if self.use_remote.isChecked() else "local",
+            remote_url=self.remote_url.text().strip(),
+            remote_key=self.remote_key.text().strip(),
+            remote_events=self.remote_events.text().strip(),
+            remote_replay=self.remote_replay.text().strip(),
         )
 
     def needs_rebuild(self) -> bool:
@@ -471,14 +567,43 @@ class SettingsDialog(QDialog):
     def needs_reload(self) -> bool:
         return self.values().needs_reload(self.current)
 
+    def remote_problem(self) -> str:
+        """What is wrong with the server's fields, "" when nothing (or not remote)."""
+        values = self.values()
+        if not values.remote:
+            return ""
+        try:
+            values.remote_settings().validate()
+        except ValueError as exc:
+            return str(exc)[:1].upper() + str(exc)[1:] + "."
+        return ""
+
+    def accept(self) -> None:
+        """A server's fields that cannot work keep the dialog open, saying why."""
+        if self.remote_problem():
+            self._update_note()
+            return
+        super().accept()
+
     def _update_note(self) -> None:
         self.weights_note.setText(weights_note(self.weights.currentData(), self.model))
-        if self.needs_reload():
+        values = self.values()
+        switch = values.needs_switch(self.current)
+        if switch:
+            self.rebuild_note.setText(SWITCH_NOTE)
+        elif self.needs_reload():
             self.rebuild_note.setText(RELOAD_NOTE)
         else:
             self.rebuild_note.setText(REBUILD_NOTE)
-        self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
+        local_change = not values.remote and (self.needs_rebuild() or self.needs_reload())
+        self.rebuild_note.setVisible(switch or local_change)
         self.disk_gb.setEnabled(self.disk_on.isChecked())
+        self.local_part.setEnabled(not values.remote)
+        for edit in (self.remote_url, self.remote_key, self.remote_events, self.remote_replay):
+            edit.setEnabled(values.remote)
+        problem = self.remote_problem() if values.remote_url or values.remote_events else ""
+        self.remote_error.setText(problem)
+        self.remote_error.setVisible(bool(problem))
 
 
 def _bits_combo() -> QComboBox:
