@@ -177,11 +177,12 @@ def test_chats_stream_and_a_cancel_closes_the_stream(remote):
 def test_graphs_follow_the_servers_metrics(remote):
     remote.submit(chat("one", tag=1)).wait(60)
     remote.submit(chat("two", tag=2)).wait(60)
-    server = server_idle(remote)
-    counters = server.cache.counters
-    expected = counters["prefix_hit_tokens"] / counters["prefix_query_tokens"]
+    server_idle(remote)
+    # The scrapes run every second: wait for one that follows the server's last step.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        counters = remote.server_snapshot().cache.counters
+        expected = counters["prefix_hit_tokens"] / counters["prefix_query_tokens"]
         rates = remote.telemetry.series("prefix_hit_rate")[1]
         if len(rates) and abs(rates[-1] - expected) < 1e-9:
             break
@@ -308,3 +309,32 @@ def test_the_window_says_a_wrong_key_and_keeps_going(qtbot, tmp_path, served):
     reply = window.store.transcript(cid, window.store.conversation(cid).current_leaf)[-1]
     assert reply.error
     window.close()
+
+
+def test_without_events_a_folio_server_is_drawn_from_its_own_snapshot(served):
+    url = served[0]
+    remote = RemoteEngine(RemoteSettings(url, KEY)).connect()
+    try:
+        assert remote.subscriber is None and remote.has_folio_cache
+        handle = remote.submit(chat("a long answer please", tag="mine", new=300))
+        next(e for e in handle.events(timeout=60) if e.kind is EventKind.STREAMING)
+        # While it runs (300 tokens: a second or so), the server's job is this app's chat
+        # (matched by request id), holding pages the page map colours as the chat's.
+        snap = remote.server_snapshot()
+        job = next(j for j in snap.jobs if j.tag == "mine")
+        assert job.pages > 0
+        pm = PageMapModel.from_snapshot(snap, ChatColors())
+        assert len(pm.pages_of_chat("mine")) == job.pages
+        handle.cancel()
+        handle.wait(30)
+        server = server_idle(remote)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and hashed_cells(remote.snapshot()) != hashed_cells(
+            server
+        ):
+            time.sleep(0.1)
+        mine = remote.snapshot()
+        assert mine.note.startswith("Drawn from the Folio server's own page-table snapshot")
+        assert hashed_cells(mine) == hashed_cells(server)
+    finally:
+        remote.shutdown()
