@@ -13,13 +13,17 @@ found in its cache (`usage.prompt_tokens_details.cached_tokens`, or llama-server
 
 Targets run one after the other, each on the machine alone: `folio serve` started here
 on --model (or the server at --url), then `llama-server` (--llama-server PATH) on the
-same file. The ratios printed last compare them on this run's numbers only.
+same file. The ratios printed last compare them on this run's numbers only. `--threads N`
+gives both servers N threads (llama.cpp's threads spin while they wait for each other,
+so on a machine with busy cores it may need fewer than torch's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import random
 import re
 import socket
@@ -171,24 +175,39 @@ def _free_port() -> int:
 
 @contextmanager
 def _process(
-    cmd: list[str], ready: re.Pattern[str], what: str, timeout: float = 300
+    cmd: list[str],
+    ready: re.Pattern[str],
+    what: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
 ) -> Iterator[re.Match]:
     """Start ``cmd``; yield the match of its first output line that says it is ready."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # all of its output, so a full pipe never stalls it
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
     said: list[str] = []
     found = None
     deadline = time.monotonic() + timeout
     try:
-        while found is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
+        while found is None:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if not line:  # it exited
                 break
             said.append(line)
             found = ready.search(line)
         if found is None:
             raise RuntimeError(f"{what} did not start:\n" + "".join(said[-20:]))
-        # Keep its output flowing, or a full pipe would stall it.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
         yield found
     finally:
         proc.terminate()
@@ -211,7 +230,11 @@ def folio_server(model: Path, args: argparse.Namespace) -> Iterator[tuple[str, s
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     pattern = re.compile(r"serving (http://\S+)/v1 \(model id '([^']*)'")
-    with _process(cmd, pattern, "folio serve") as found:
+    env = None
+    if args.threads:  # torch's and numba's thread pools
+        n = str(args.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": n, "NUMBA_NUM_THREADS": n}
+    with _process(cmd, pattern, "folio serve", env) as found:
         yield found.group(1), found.group(2)
 
 
@@ -225,7 +248,9 @@ def llama_server(binary: Path, model: Path, args: argparse.Namespace) -> Iterato
            "-np", str(_slots(args)), "-c", str(_slots(args) * per_slot), "--metrics"]  # fmt: skip
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    with _process(cmd, re.compile(r"server is listening|HTTP server listening"), "llama-server"):
+    if args.threads:
+        cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
+    with _process(cmd, re.compile(r"listening on http"), "llama-server"):
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url)
         yield url, model.name

@@ -181,6 +181,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--url", help="--http: the server to drive, instead of starting folio serve")
     serve.add_argument("--api-key", help="--http: the key --url wants")
     serve.add_argument(
+        "--threads", type=int, help="--http: threads for both servers (default: each its own)"
+    )
+    serve.add_argument(
         "--llama-server",
         type=Path,
         metavar="PATH",

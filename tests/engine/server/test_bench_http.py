@@ -15,7 +15,7 @@ from folio.main import main
 def bench_args(**over) -> argparse.Namespace:
     base = dict(requests=6, groups=2, system_tokens=40, new_tokens=4, rate=20.0,
                 cache_tokens=2048, url=None, api_key=None, llama_server=None, json=True,
-                model=None)  # fmt: skip
+                model=None, threads=None)  # fmt: skip
     return argparse.Namespace(**{**base, **over})
 
 
