@@ -441,6 +441,11 @@ class MainWindow(QMainWindow):
         self.fetch_dialog.start()
 
     def load_model(self, path: str | Path) -> None:
+        if self.engine_settings.remote:
+            # A model file runs on this computer: the engine setting follows, or the next
+            # start would connect to the server again.
+            self.engine_settings = dataclasses.replace(self.engine_settings, backend="local")
+            self.settings.setValue("engine/settings", json.dumps(self.engine_settings.as_dict()))
         self.model_label.setText(f"loading {Path(path).name}…")
         self.load_bar.setValue(0)
         self.load_bar.setVisible(True)

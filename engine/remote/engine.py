@@ -142,6 +142,7 @@ class RemoteEngine:
         self._snapshot: Published[EngineSnapshot] = Published()
         self._versions = itertools.count(1)
         self._last_state: tuple = ()
+        self._server_version = -1  # of the Folio snapshot last drawn
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self.subscriber = None
@@ -183,9 +184,10 @@ class RemoteEngine:
         self.connected_in = time.monotonic() - t0
         return self
 
-    def _get_json(self, path: str) -> Any:
+    def _get_json(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        """The JSON `GET path` answers (None for 204 No Content); RemoteError in words."""
         try:
-            response = self._client.get(path)
+            response = self._client.get(path, params=params)
         except httpx.InvalidURL as exc:
             raise RemoteError(f"{self.url} is not a URL the app can use: {exc}") from None
         except httpx.HTTPError as exc:
@@ -195,6 +197,8 @@ class RemoteEngine:
             ) from None
         if response.status_code >= 400:
             raise RemoteError(self._refusal(response, f"GET {path}"))
+        if response.status_code == 204:
+            return None
         try:
             return response.json()
         except ValueError:
@@ -287,9 +291,12 @@ class RemoteEngine:
             raise RuntimeError("not connected yet")
         return snapshot
 
-    def server_snapshot(self) -> EngineSnapshot:
-        """A Folio server's own page-table snapshot (`GET /folio/v1/cache`)."""
-        data = self._get_json(CACHE_PATH)
+    def server_snapshot(self, after: int | None = None) -> EngineSnapshot | None:
+        """A Folio server's own page-table snapshot (`GET /folio/v1/cache`); None when
+        it is no newer than version ``after`` (the server answers 204, sending nothing)."""
+        data = self._get_json(CACHE_PATH, None if after is None else {"after": after})
+        if data is None:
+            return None
         try:
             return snapshot_from_json(data, self._tag_of, note=FOLIO_NOTE)
         except (ValueError, KeyError, TypeError) as exc:
@@ -513,9 +520,12 @@ class RemoteEngine:
         jobs = self._our_jobs()
         if self.subscriber is None and self.has_folio_cache:
             try:
-                snap = self.server_snapshot()
+                snap = self.server_snapshot(after=self._server_version)
             except RemoteError:
                 return
+            if snap is None:  # unchanged on the server: nothing sent, nothing to redraw
+                return
+            self._server_version = snap.version
             key: tuple = (
                 "folio",
                 snap.version,

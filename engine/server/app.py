@@ -175,8 +175,11 @@ class _Routes:
 
     async def cache(self, request: Request) -> Response:
         """Folio's own: the page table's latest snapshot (engine.remote.wire), for a Folio
-        app that draws this server's memory."""
+        app that draws this server's memory; `?after=VERSION`: 204 when it is no newer."""
         snap = self.state.engine.snapshot()
+        after = request.query_params.get("after", "")
+        if after.isdigit() and snap.version <= int(after):
+            return Response(status_code=204)  # nothing new since the client's copy
         return JSONResponse(await anyio.to_thread.run_sync(snapshot_json, snap))
 
     async def models(self, request: Request) -> Response:

@@ -336,5 +336,9 @@ def test_without_events_a_folio_server_is_drawn_from_its_own_snapshot(served):
         mine = remote.snapshot()
         assert mine.note.startswith("Drawn from the Folio server's own page-table snapshot")
         assert hashed_cells(mine) == hashed_cells(server)
+        # An idle server sends nothing when asked for what is newer than a copy.
+        latest = remote.server_snapshot()
+        assert remote.server_snapshot(after=latest.version) is None
+        assert remote.server_snapshot(after=latest.version - 1).version == latest.version
     finally:
         remote.shutdown()
