@@ -7,6 +7,7 @@ in words, in the engine and in the window, and nothing crashes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -342,3 +343,61 @@ def test_without_events_a_folio_server_is_drawn_from_its_own_snapshot(served):
         assert remote.server_snapshot(after=latest.version - 1).version == latest.version
     finally:
         remote.shutdown()
+
+
+def test_the_engine_settings_say_what_a_server_needs(qtbot):
+    from gui.settings_dialog import SWITCH_NOTE, SettingsDialog
+
+    local = EngineSettings()
+    dialog = SettingsDialog(local)
+    qtbot.addWidget(dialog)
+    assert dialog.use_local.isChecked() and not dialog.remote_url.isEnabled()
+    dialog.use_remote.setChecked(True)
+    dialog.remote_url.setText("gpu-box:8000")
+    assert not dialog.local_part.isEnabled()
+    assert "must start with http:// or https://" in dialog.remote_error.text()
+    accepted: list = []
+    dialog.accepted.connect(lambda: accepted.append(True))
+    dialog.accept()
+    assert not accepted  # refused: the dialog stays open, saying why
+    dialog.remote_url.setText("http://gpu-box:8000/v1")
+    dialog.remote_key.setText("k")
+    dialog.remote_events.setText("tcp://gpu-box:5557")
+    assert not dialog.remote_error.isVisible() and dialog.rebuild_note.text() == SWITCH_NOTE
+    values = dialog.values()
+    assert values.remote and values.needs_switch(local)
+    dialog.accept()
+    assert accepted
+    saved = EngineSettings.from_dict(values.as_dict())
+    assert saved == values
+    assert saved.remote_settings().base_url == "http://gpu-box:8000"
+    assert EngineSettings.from_dict({**values.as_dict(), "backend": "cloud"}) == EngineSettings()
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    from engine.model.loader import load_model
+
+    return load_model(
+        write_chat_model(tmp_path_factory.mktemp("local") / "tiny-chat", 512, seed=11)
+    )
+
+
+def test_the_window_switches_to_a_server_and_back(qtbot, tmp_path, served, tiny_chat):
+    qsettings = QSettings(str(tmp_path / "folio.ini"), QSettings.Format.IniFormat)
+    window = MainWindow(Store(tmp_path / "chats.sqlite3"), qsettings)
+    qtbot.addWidget(window)
+    window.use_loaded(tiny_chat)
+    qtbot.waitUntil(lambda: window.bridge.ready, timeout=30_000)
+    assert not window.bridge.remote
+    local = window.engine_settings
+    remote = dataclasses.replace(local, backend="remote", remote_url=served[0], remote_key=KEY)
+    assert window.apply_settings(remote, confirm=False)
+    qtbot.waitUntil(lambda: window.bridge.remote and window.bridge.ready, timeout=30_000)
+    assert window.model_label.text() == "tiny-chat · Folio server"
+    assert json.loads(qsettings.value("engine/settings"))["backend"] == "remote"
+    # Back to this computer: the model it ran before is loaded again.
+    assert window.apply_settings(dataclasses.replace(remote, backend="local"), confirm=False)
+    qtbot.waitUntil(lambda: window.bridge.ready and not window.bridge.remote, timeout=60_000)
+    assert window.bridge.loaded is not None and window.bridge.loaded.name == tiny_chat.name
+    window.close()
