@@ -556,8 +556,11 @@ class MainWindow(QMainWindow):
             f"{snapshot.num_pages} pages × {snapshot.page_size} = {tokens:,} tokens"
             + (kv if snapshot.cache_bytes else "")  # a remote server's bytes are not known
         )
-        used = (stats.pages_referenced + stats.pages_cached) * page_bytes
-        text = f"{format_bytes(used, binary=True)} KV in use"
+        held = stats.pages_referenced + stats.pages_cached
+        if snapshot.cache_bytes:
+            text = f"{format_bytes(held * page_bytes, binary=True)} KV in use"
+        else:  # a remote server's bytes are not known, its pages are
+            text = f"{held:,} pages held"
         if snapshot.host_bytes:
             text += f" · host tier {format_bytes(snapshot.host_bytes, binary=True)}"
         rss = _process_rss()
