@@ -106,6 +106,9 @@ class EngineSnapshot:
     job_tags: dict[int, Any]  # job id -> the caller's tag
     cache_bytes: int
     host_bytes: int
+    # What a reader should know of this snapshot's limits: "" for a local engine; for a
+    # remote one, what its source (KV events, metrics) cannot say (engine/remote/).
+    note: str = ""
 
 
 class JobHandle:

@@ -15,6 +15,12 @@ snapshots. The server follows the engine: when the model is switched or the cach
 rebuilt, it stops before the old engine does and starts again, same address and key, on
 the new one; clients see refused connections for the seconds in between. Starting and
 stopping run on their own worker thread, since a graceful stop waits for open requests.
+
+The engine can also be a server elsewhere (`connect_remote`: vLLM, llama-server, another
+Folio): `engine.remote.RemoteEngine` has the surface of `Engine` the bridge uses (submit,
+cancel, snapshots, listeners, telemetry, shutdown), so the signals, and every widget
+behind them, are the same whichever engine runs. A remote engine has no model in this
+process (`loaded` is None: no tokenizer, no local server on it).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from engine.model.loader import LoadedModel
 from engine.server.settings import ServerSettings
 
 if TYPE_CHECKING:
+    from engine.remote.engine import RemoteEngine, RemoteSettings
     from engine.server.app import Server
 from gui.worker import TaskRunner, error_text
 
@@ -65,6 +72,23 @@ class ModelInfo:
     kv_shape: tuple[int, int, int] | None = None
     context_length: int | None = None  # the most tokens the model was trained to read
     batch_copy_bytes: int = 0  # bf16 copies kept for batched decode (kernels/bf16.py)
+    url: str = ""  # a remote engine's server; "" for this computer's
+
+
+def describe_remote(remote: RemoteEngine, seconds: float) -> ModelInfo:
+    """The status bar's words for a server elsewhere."""
+    kind = {"vllm": "vLLM", "llamacpp": "llama.cpp", "folio": "Folio"}.get(remote.flavour, "")
+    return ModelInfo(
+        name=remote.model_id or "remote model",
+        path=Path(),
+        format=f"{kind or 'OpenAI-compatible'} server",
+        device=remote.url,
+        architecture="",
+        weight_bytes=0,
+        load_seconds=seconds,
+        weight_mode="",
+        url=remote.url,
+    )
 
 
 def describe_model(loaded: LoadedModel) -> ModelInfo:
@@ -235,7 +259,7 @@ class EngineBridge(QObject):
         if not _warmed_up:
             warm_up_thread_pools()
             _warmed_up = True
-        self.engine: Engine | None = None
+        self.engine: Engine | RemoteEngine | None = None
         self.loaded: LoadedModel | None = None
         self.model_info: ModelInfo | None = None
         self.cache_settings = CacheSettings()
@@ -268,6 +292,11 @@ class EngineBridge(QObject):
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.running
+
+    @property
+    def remote(self) -> bool:
+        """The engine is a server elsewhere (`connect_remote`)."""
+        return self.engine is not None and not isinstance(self.engine, Engine)
 
     @property
     def busy(self) -> bool:
@@ -344,14 +373,7 @@ class EngineBridge(QObject):
         generator_settings.validate(cache_settings.page_size)
         self.load_progress.emit(0.97, "allocating the KV cache")
         engine = Engine(loaded, cache_settings, generator_settings)
-        old = self.engine
-        if old is not None:
-            # Before the old engine stops: open requests get the graceful stop's seconds
-            # to finish, and none reaches an engine that is gone. `_on_engine_started`
-            # starts the server again on the new engine.
-            with self._server_lock:
-                self._close_server()
-            old.shutdown(30.0)
+        if self._stop_old_engine():
             # The old cache has written its pages and let go of the disk store's writer
             # lock (KVCache.close). With the same model and cache format the new cache
             # opened that store too, as a reader while the old one held it: it takes
@@ -362,7 +384,45 @@ class EngineBridge(QObject):
         engine.start()
         return engine
 
-    def _run_worker(self, work: Callable[[], Any], then: Callable[[Any], Engine]) -> None:
+    def _stop_old_engine(self) -> bool:
+        """Worker thread: stop the running engine (local or remote), if any; True when
+        one ran. Before it stops, the local server closes: open requests get the graceful
+        stop's seconds to finish, and none reaches an engine that is gone.
+        `_on_engine_started` starts the server again on the new engine."""
+        old = self.engine
+        if old is None:
+            return False
+        with self._server_lock:
+            self._close_server()
+        old.shutdown(30.0)
+        old.remove_listener(self._on_engine_event)
+        return True
+
+    def connect_remote(self, settings: RemoteSettings) -> None:
+        """Use the OpenAI-compatible server `settings` names as the engine, off the UI
+        thread: checked first (ends in `engine_failed` with what is wrong, the current
+        engine still running), then the old engine stops and `engine_ready` follows.
+        ValueError at once for settings that cannot work (a URL without http://)."""
+        from engine.remote.engine import RemoteEngine
+
+        settings.validate()
+
+        def work() -> RemoteEngine:
+            remote = RemoteEngine(settings)
+            try:
+                remote.connect()
+            except Exception:
+                remote.shutdown(1.0)
+                raise
+            self._stop_old_engine()
+            remote.add_listener(self._on_engine_event)
+            return remote
+
+        self._run_worker(work, lambda remote: remote)
+
+    def _run_worker(
+        self, work: Callable[[], Any], then: Callable[[Any], Engine | RemoteEngine]
+    ) -> None:
         if self._worker.busy:
             self.engine_failed.emit("the engine is already loading; wait for it to finish")
             return
@@ -375,12 +435,15 @@ class EngineBridge(QObject):
         if self.server_settings is not None:
             self._reconcile_server()  # a swap that failed half way may have stopped it
 
-    def _on_engine_started(self, engine: Engine) -> None:
+    def _on_engine_started(self, engine: Engine | RemoteEngine) -> None:
         self.engine = engine
         self.loaded = engine.loaded
-        self.cache_settings = engine.cache.settings
-        self.generator_settings = engine.generator.settings
-        self.model_info = describe_model(engine.loaded)
+        if isinstance(engine, Engine):
+            self.cache_settings = engine.cache.settings
+            self.generator_settings = engine.generator.settings
+            self.model_info = describe_model(engine.loaded)
+        else:
+            self.model_info = describe_remote(engine, engine.connected_in)
         self._last_version = -1
         self._timer.start()
         self.engine_ready.emit(self.model_info)
@@ -450,7 +513,7 @@ class EngineBridge(QObject):
         from engine.cache.disk_tier import delete_stores
 
         engine = self.engine
-        disk = engine.cache.disk if engine is not None else None
+        disk = engine.cache.disk if isinstance(engine, Engine) else None
         own = (
             disk is not None
             and disk.writable
@@ -493,6 +556,12 @@ class EngineBridge(QObject):
                     self._close_server()
                 if wanted is None or engine is None or not engine.running:
                     return None
+                if not isinstance(engine, Engine):
+                    raise RuntimeError(
+                        f"The local server serves this computer's engine, and the app now "
+                        f"uses the server at {engine.url}: its clients can use that one "
+                        "directly. Switch Settings > Engine back to this computer to serve."
+                    )
                 if self._server is None:
                     # The HTTP stack is imported when a server first starts, not at app start.
                     from engine.server.app import Server

@@ -464,7 +464,11 @@ class MainWindow(QMainWindow):
 
     def start_engine(self, model_path: str | Path | None = None) -> None:
         """Load `model_path`, else the last model, else the default model (fetched with
-        a progress dialog on first run). Everything slow runs off the UI thread."""
+        a progress dialog on first run); or, when Settings > Engine names a server, connect
+        to it. Everything slow runs off the UI thread."""
+        if model_path is None and self.engine_settings.remote:
+            self.connect_remote()
+            return
         path = model_path or self.settings.value("model/last_path")
         if path and Path(str(path)).exists():
             self.load_model(Path(str(path)))
@@ -484,6 +488,11 @@ class MainWindow(QMainWindow):
         self.fetch_dialog.start()
 
     def load_model(self, path: str | Path) -> None:
+        if self.engine_settings.remote:
+            # A model file runs on this computer: the engine setting follows, or the next
+            # start would connect to the server again.
+            self.engine_settings = dataclasses.replace(self.engine_settings, backend="local")
+            self.settings.setValue("engine/settings", json.dumps(self.engine_settings.as_dict()))
         self.model_label.setText(f"loading {Path(path).name}…")
         self.load_status.start(Path(path).stem)
         self._show_loading("loading the model…")
@@ -493,6 +502,16 @@ class MainWindow(QMainWindow):
             self.engine_settings.generator_settings(),
             self.engine_settings.weights,
         )
+
+    def connect_remote(self) -> None:
+        """Use the server Settings > Engine names; a failure is shown, the engine that
+        ran keeps running."""
+        settings = self.engine_settings
+        self.model_label.setText(f"connecting to {settings.remote_url}…")
+        try:
+            self.bridge.connect_remote(settings.remote_settings())
+        except ValueError as exc:
+            self.on_engine_failed(str(exc))
 
     def use_loaded(self, loaded: Any) -> None:
         """Start the engine on a model already loaded (tests, embedding)."""
@@ -538,13 +557,19 @@ class MainWindow(QMainWindow):
         tune_garbage_collector()
         self.load_status.finish()
         self.model_picker.refresh()
-        self.settings.setValue("model/last_path", str(info.path))
         self.model_label.setText(f"{info.name} · {info.format}")
-        self.model_label.setToolTip(
-            f"{info.path}\n{info.architecture} · "
-            f"{format_bytes(info.weight_bytes, binary=True)} of weights"
-            f" · loaded in {info.load_seconds:.1f} s"
-        )
+        if info.url:  # a server elsewhere: no file to remember
+            self.model_label.setToolTip(
+                f"{info.name} on the {info.format} at {info.url}"
+                f" · connected in {info.load_seconds:.1f} s"
+            )
+        else:
+            self.settings.setValue("model/last_path", str(info.path))
+            self.model_label.setToolTip(
+                f"{info.path}\n{info.architecture} · "
+                f"{format_bytes(info.weight_bytes, binary=True)} of weights"
+                f" · loaded in {info.load_seconds:.1f} s"
+            )
         self.device_label.setText(info.device)
         self._last_status = 0.0
         self._loading = ""
@@ -561,7 +586,12 @@ class MainWindow(QMainWindow):
         self.model_picker.select_loaded()
         if self.model_info is None:
             self.model_label.setText("no model")
-        self.show_error("The model could not be loaded", message)
+        elif self.model_label.text().startswith("connecting"):
+            self.on_engine_ready(self.model_info)  # the engine that ran still does
+        if self.engine_settings.remote:
+            self.show_error("Could not use the server", message)
+        else:
+            self.show_error("The model could not be loaded", message)
 
     def on_snapshot(self, snapshot: EngineSnapshot) -> None:
         # The panel only stores the snapshot here and brings its views up to date one
@@ -647,7 +677,9 @@ class MainWindow(QMainWindow):
         """Save `new`; rebuild the engine when the cache or batching changed. When
         `confirm`, asks once, and only when work would be lost (replies running, cached
         pages the new cache drops). Returns whether the settings were applied."""
-        rebuild = new.needs_rebuild(self.engine_settings)
+        if new.needs_switch(self.engine_settings):
+            return self._switch_engine(new, confirm)
+        rebuild = new.needs_rebuild(self.engine_settings) and not new.remote
         reload = new.needs_reload(self.engine_settings) and self.bridge.loaded is not None
         if (rebuild or reload) and confirm and self.bridge.ready:
             lost = work_lost(self.bridge.poll_snapshot(force=True), self.engine_settings, new)
@@ -681,6 +713,23 @@ class MainWindow(QMainWindow):
         if record != self.prompt_lengths:
             self.prompt_lengths = record
             self.settings.setValue("engine/prompt_lengths", json.dumps(list(record.lengths)))
+
+    def _switch_engine(self, new: EngineSettings, confirm: bool) -> bool:
+        """This computer's engine to a server, back, or to another server."""
+        if confirm and self.controller.generations:
+            answer = QMessageBox.question(
+                self,
+                "Switch the engine?",
+                "Replies in progress stop. Switch now?",
+            )
+            if answer != QMessageBox.StandardButton.Yes:
+                return False
+        self.engine_settings = new
+        self.settings.setValue("engine/settings", json.dumps(new.as_dict()))
+        self._apply_threads()
+        self.controller.stop_all()
+        self.start_engine()
+        return True
 
     def _apply_threads(self) -> None:
         if self.engine_settings.cpu_threads > 0:

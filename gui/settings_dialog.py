@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QRadioButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -66,6 +67,7 @@ from gui.worker import TaskRunner
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
+    from engine.remote.engine import RemoteSettings
     from gui.bridge import ModelInfo
 
 KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
@@ -119,6 +121,14 @@ WEIGHT_TRADES = {
 
 REBUILD_NOTE = "Applying these changes rebuilds the KV cache."
 RELOAD_NOTE = "Applying these changes loads the model again."
+SWITCH_NOTE = "Applying these changes switches the engine: replies in progress stop."
+REMOTE_TIP = (
+    "Chats stream from the server's /v1/chat/completions (vLLM, llama.cpp's llama-server, "
+    "another Folio's folio serve). The memory views draw what it publishes: graphs from "
+    "its /metrics; the page map and prefix tree from its KV-cache events when you give "
+    "their endpoint (vLLM: --kv-events-config, Folio: --kv-events), or from a Folio "
+    "server's own snapshot."
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,13 @@ class EngineSettings:
     disk_cache: bool = True  # the prompt cache on disk (docs/ENGINE.md §10)
     disk_gb: float = 0.0  # its budget per model; 0: the engine's default
     disk_dir: str = ""  # its location; "": engine.paths.kv_cache_dir()
+    # Which engine runs the chats: "local" (this computer's) or "remote" (a server at
+    # remote_url, with its API key and, optionally, its KV-event endpoints).
+    backend: str = "local"
+    remote_url: str = ""
+    remote_key: str = ""
+    remote_events: str = ""
+    remote_replay: str = ""
 
     REBUILD_FIELDS = (
         "page_size",
@@ -152,6 +169,30 @@ class EngineSettings:
         "disk_gb",
         "disk_dir",
     )
+
+    REMOTE_FIELDS = ("backend", "remote_url", "remote_key", "remote_events", "remote_replay")
+
+    @property
+    def remote(self) -> bool:
+        return self.backend == "remote"
+
+    def remote_settings(self) -> RemoteSettings:
+        from engine.remote.engine import RemoteSettings
+
+        return RemoteSettings(
+            url=self.remote_url,
+            api_key=self.remote_key or None,
+            kv_events=self.remote_events or None,
+            kv_events_replay=self.remote_replay or None,
+        )
+
+    def needs_switch(self, other: EngineSettings) -> bool:
+        """Another engine: local to remote, back, or another server."""
+        if self.backend != other.backend:
+            return True
+        return self.remote and any(
+            getattr(self, f) != getattr(other, f) for f in self.REMOTE_FIELDS
+        )
 
     def disk_location(self) -> Path:
         """Where the prompt cache on disk goes (whether or not it is on)."""
@@ -203,6 +244,10 @@ class EngineSettings:
             if settings.weights not in USER_WEIGHT_MODES:
                 raise ValueError(f"unknown weight mode {settings.weights!r}")
             _check_disk_fields(settings)
+            if settings.backend not in ("local", "remote") or not all(
+                isinstance(getattr(settings, f), str) for f in cls.REMOTE_FIELDS
+            ):
+                raise ValueError("engine: local or remote, and the server's fields as text")
             return settings
         except (TypeError, ValueError):
             return cls()
@@ -291,6 +336,11 @@ class SettingsDialog(QDialog):
         self.shared_prefix = shared_prefix
         self.snapshot = snapshot
         layout = QVBoxLayout(self)
+        layout.addWidget(self._engine_box())
+        # This computer's engine: greyed out while a server elsewhere is the engine.
+        self.local_part = QWidget()
+        local = QVBoxLayout(self.local_part)
+        local.setContentsMargins(0, 0, 0, 0)
         # A grid, not a form: each field's hint is a word-wrapped label in its own row,
         # and a form row clips a wrapped label's later lines.
         self.grid = QGridLayout()
@@ -346,8 +396,9 @@ class SettingsDialog(QDialog):
             "How the model's weights are kept in memory; changing it loads the model again",
             hint=True,
         )
-        layout.addLayout(self.grid)
-        layout.addWidget(self._disk_box())
+        local.addLayout(self.grid)
+        local.addWidget(self._disk_box())
+        layout.addWidget(self.local_part)
 
         self.rebuild_note = QLabel(REBUILD_NOTE)
         self.rebuild_note.setWordWrap(True)
@@ -369,8 +420,48 @@ class SettingsDialog(QDialog):
         self.disk_gb.valueChanged.connect(self._update_note)
         self.disk_dir.textChanged.connect(self._update_note)
         self.disk_dir.editingFinished.connect(self._show_disk_usage)
+        self.use_remote.toggled.connect(self._update_note)
+        for edit in (self.remote_url, self.remote_key, self.remote_events, self.remote_replay):
+            edit.textChanged.connect(self._update_note)
         self._update_note()
         self._show_disk_usage()
+
+    def _engine_box(self) -> QGroupBox:
+        box = QGroupBox("Engine")
+        box.setToolTip(REMOTE_TIP)
+        form = QFormLayout(box)
+        self.use_local = QRadioButton("This computer")
+        self.use_local.setToolTip("Run the model here, on Folio's own engine")
+        self.use_remote = QRadioButton("A server at")
+        self.use_remote.setToolTip(REMOTE_TIP)
+        self.remote_url = QLineEdit()
+        self.remote_url.setPlaceholderText("http://192.168.1.20:8000")
+        self.remote_url.setToolTip(
+            "The server's address with http:// or https:// (its OpenAI API under /v1)"
+        )
+        row = QHBoxLayout()
+        row.addWidget(self.use_remote)
+        row.addWidget(self.remote_url, 1)
+        form.addRow(self.use_local)
+        form.addRow(row)
+        self.remote_key = QLineEdit()
+        self.remote_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.remote_key.setPlaceholderText("none")
+        self.remote_key.setToolTip("The server's API key, sent as 'Authorization: Bearer KEY'")
+        form.addRow("API key", self.remote_key)
+        self.remote_events = QLineEdit()
+        self.remote_events.setPlaceholderText("optional: tcp://host:5557")
+        self.remote_events.setToolTip("The server's KV-cache event endpoint (ZMQ PUB)")
+        form.addRow("KV events", self.remote_events)
+        self.remote_replay = QLineEdit()
+        self.remote_replay.setPlaceholderText("optional: tcp://host:5558")
+        self.remote_replay.setToolTip("Its replay endpoint, for events sent before the app joined")
+        form.addRow("Event replay", self.remote_replay)
+        self.remote_error = QLabel()
+        self.remote_error.setWordWrap(True)
+        self.remote_error.setStyleSheet("color: #B3261E;")
+        form.addRow(self.remote_error)
+        return box
 
     def _disk_box(self) -> QGroupBox:
         box = QGroupBox("Prompt cache on disk")
@@ -509,6 +600,11 @@ class SettingsDialog(QDialog):
         self.disk_on.setChecked(s.disk_cache)
         self.disk_gb.setValue(s.disk_gb)
         self.disk_dir.setText(s.disk_dir)
+        (self.use_remote if s.remote else self.use_local).setChecked(True)
+        self.remote_url.setText(s.remote_url)
+        self.remote_key.setText(s.remote_key)
+        self.remote_events.setText(s.remote_events)
+        self.remote_replay.setText(s.remote_replay)
 
     def values(self) -> EngineSettings:
         return EngineSettings(
@@ -525,6 +621,11 @@ class SettingsDialog(QDialog):
             disk_cache=self.disk_on.isChecked(),
             disk_gb=self.disk_gb.value(),
             disk_dir=self._disk_dir_value(),
+            backend="remote" if self.use_remote.isChecked() else "local",
+            remote_url=self.remote_url.text().strip(),
+            remote_key=self.remote_key.text().strip(),
+            remote_events=self.remote_events.text().strip(),
+            remote_replay=self.remote_replay.text().strip(),
         )
 
     def needs_rebuild(self) -> bool:
@@ -536,6 +637,24 @@ class SettingsDialog(QDialog):
     def lost_work(self) -> LostWork:
         """What applying the values shown would throw away."""
         return work_lost(self.snapshot, self.current, self.values())
+
+    def remote_problem(self) -> str:
+        """What is wrong with the server's fields, "" when nothing (or not remote)."""
+        values = self.values()
+        if not values.remote:
+            return ""
+        try:
+            values.remote_settings().validate()
+        except ValueError as exc:
+            return str(exc)[:1].upper() + str(exc)[1:] + "."
+        return ""
+
+    def accept(self) -> None:
+        """A server's fields that cannot work keep the dialog open, saying why."""
+        if self.remote_problem():
+            self._update_note()
+            return
+        super().accept()
 
     def _update_note(self) -> None:
         values = self.values()
@@ -558,9 +677,21 @@ class SettingsDialog(QDialog):
         self.use_suggested.setEnabled(suggested is not None and suggested != values.page_size)
         _show_hint(self.kv_hint, kv_quality_hint(values.k_bits, values.v_bits))
         _show_hint(self.weights_note, Hint(weights_note(self.weights.currentData(), self.model)))
-        note = RELOAD_NOTE if self.needs_reload() else REBUILD_NOTE
-        self.rebuild_note.setText(f"{note} {self.lost_work().text()}")
-        self.rebuild_note.setVisible(self.needs_rebuild() or self.needs_reload())
+        switch = values.needs_switch(self.current)
+        if switch:
+            self.rebuild_note.setText(SWITCH_NOTE)
+        else:
+            note = RELOAD_NOTE if self.needs_reload() else REBUILD_NOTE
+            self.rebuild_note.setText(f"{note} {self.lost_work().text()}")
+        local_change = not values.remote and (self.needs_rebuild() or self.needs_reload())
+        self.rebuild_note.setVisible(switch or local_change)
+        self.disk_gb.setEnabled(self.disk_on.isChecked())
+        self.local_part.setEnabled(not values.remote)
+        for edit in (self.remote_url, self.remote_key, self.remote_events, self.remote_replay):
+            edit.setEnabled(values.remote)
+        problem = self.remote_problem() if values.remote_url or values.remote_events else ""
+        self.remote_error.setText(problem)
+        self.remote_error.setVisible(bool(problem))
         self._grow_to_fit()
 
     def _grow_to_fit(self) -> None:
@@ -569,7 +700,6 @@ class SettingsDialog(QDialog):
         need = self.sizeHint().height()
         if self.isVisible() and self.height() < need:
             self.resize(self.width(), need)
-        self.disk_gb.setEnabled(self.disk_on.isChecked())
 
 
 class HintLabel(QLabel):

@@ -118,19 +118,23 @@ class MemoryFigures:
     def cache_text(self) -> str:
         """'128 pages × 16 = 2,048 tokens · 180.0 MB KV'."""
         tokens = self.pages * self.page_size
-        return (
-            f"{self.pages:,} pages × {self.page_size} = {tokens:,} tokens"
-            f" · {format_bytes(self.cache_bytes, binary=True)} KV"
-        )
+        text = f"{self.pages:,} pages × {self.page_size} = {tokens:,} tokens"
+        if self.cache_bytes:  # a remote server's bytes are not known, its pages are
+            text += f" · {format_bytes(self.cache_bytes, binary=True)} KV"
+        return text
 
     def use_text(self) -> str:
-        """'KV 1.4 MB in use · 2.8 MB reclaimable'."""
-        used = format_bytes(self.in_use * self.page_bytes, binary=True)
-        text = f"KV {used} in use"
+        """'KV 1.4 MB in use · 2.8 MB reclaimable' ('KV 12 pages in use · 30 pages
+        reclaimable' for a remote server, whose bytes are not known)."""
+
+        def size(pages: int) -> str:
+            if self.cache_bytes:
+                return format_bytes(pages * self.page_bytes, binary=True)
+            return f"{pages:,} pages"
+
+        text = f"KV {size(self.in_use)} in use"
         if self.reclaimable:
-            text += (
-                f" · {format_bytes(self.reclaimable * self.page_bytes, binary=True)} reclaimable"
-            )
+            text += f" · {size(self.reclaimable)} reclaimable"
         if self.host_bytes:
             text += f" · host tier {format_bytes(self.host_bytes, binary=True)}"
         return text

@@ -173,6 +173,22 @@ def _build_parser() -> argparse.ArgumentParser:
         help="instead: the workload with a host tier of --host-mb, then with a disk tier too",
     )
     serve.add_argument("--host-mb", type=int, default=256, help="--tiers: the host tier's size")
+    serve.add_argument(
+        "--http",
+        action="store_true",
+        help="instead: the workload over HTTP, streaming clients against folio serve (or --url)",
+    )
+    serve.add_argument("--url", help="--http: the server to drive, instead of starting folio serve")
+    serve.add_argument("--api-key", help="--http: the key --url wants")
+    serve.add_argument(
+        "--threads", type=int, help="--http: threads for both servers (default: each its own)"
+    )
+    serve.add_argument(
+        "--llama-server",
+        type=Path,
+        metavar="PATH",
+        help="--http: also llama.cpp's llama-server binary on the same --model GGUF and prompts",
+    )
     serve.add_argument("--json", action="store_true")
     kvq = bsub.add_parser(
         "kv-quant", help="perplexity per KV-cache format (pydoc_data.topics text)"
@@ -297,6 +313,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.batched import run_batched_bench
 
         run_batched_bench(args)
+    elif args.bench_command == "serve" and args.http:
+        from engine.bench.http_serve import run_http_serve_bench
+
+        run_http_serve_bench(args)
     elif args.bench_command == "serve":
         from engine.bench.batched import run_serve_bench
 

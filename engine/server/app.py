@@ -6,7 +6,8 @@ The server does not own the engine: API jobs are submitted next to whatever else
 it (the app's chats), share its prefix cache and show in its snapshots, tagged `ApiTag`.
 
 Routes: GET /health (never needs the key), GET /metrics, GET /v1/models,
-GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions. With an API key
+GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions, and Folio's own
+GET /folio/v1/cache (the page table's snapshot as JSON). With an API key
 every route but /health wants `Authorization: Bearer KEY`, compared in constant time.
 """
 
@@ -35,6 +36,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.engine import Engine
+from engine.remote.wire import snapshot_json
 from engine.server import responses
 from engine.server.errors import (
     APIError,
@@ -115,6 +117,7 @@ def build_app(engine: Engine, settings: ServerSettings | None = None) -> Starlet
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/folio/v1/cache", routes.cache, methods=["GET"]),
         ],
         middleware=middleware,
         exception_handlers={
@@ -169,6 +172,15 @@ class _Routes:
     async def metrics(self, request: Request) -> Response:
         body = await anyio.to_thread.run_sync(self.state.metrics.exposition)
         return Response(body, media_type=CONTENT_TYPE)
+
+    async def cache(self, request: Request) -> Response:
+        """Folio's own: the page table's latest snapshot (engine.remote.wire), for a Folio
+        app that draws this server's memory; `?after=VERSION`: 204 when it is no newer."""
+        snap = self.state.engine.snapshot()
+        after = request.query_params.get("after", "")
+        if after.isdigit() and snap.version <= int(after):
+            return Response(status_code=204)  # nothing new since the client's copy
+        return JSONResponse(await anyio.to_thread.run_sync(snapshot_json, snap))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -136,7 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
                 engine, args.kv_events, args.kv_events_replay, args.kv_events_topic
             )
             warn_if_exposed(args.kv_events)
-            print(f"KV-cache events on {publisher.endpoint}", flush=True)
+            replay = publisher.replay_endpoint
+            print(
+                f"KV-cache events on {publisher.endpoint}"
+                + (f", replays on {replay}" if replay else ""),
+                flush=True,
+            )
         try:
             serve(
                 engine,

@@ -150,6 +150,14 @@ class _EngineCollector(Collector):
             "Fraction of KV-cache pages held by jobs (1 = full).",
             snap.stats.pages_referenced / snap.num_pages if snap.num_pages else 0.0,
         )
+        # vLLM's name and labels: a client learns the pool's size and page size here.
+        info = GaugeMetricFamily(
+            "folio:cache_config_info",
+            "The KV cache's layout.",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([self.model_name, str(snap.page_size), str(snap.num_pages)], 1.0)
+        yield info
         counters = snap.cache.counters
         yield counter(
             "folio:prefix_cache_queries",

@@ -24,11 +24,22 @@ class Level(Enum):
     BLOCKED = "blocked"  # a send will be refused
 
 
-def gauge_text(plan: ContextPlan | None, free_tokens: int | None = None) -> tuple[str, Level]:
+NO_PLAN = "Load a model to see how much of its context this chat uses."
+# A server elsewhere: no tokenizer here to count with; the server refuses what is too long.
+REMOTE_NO_PLAN = (
+    "The server counts this chat's tokens: the whole chat is sent, and one too long for "
+    "its context comes back as an error."
+)
+
+
+def gauge_text(
+    plan: ContextPlan | None, free_tokens: int | None = None, no_plan: str = NO_PLAN
+) -> tuple[str, Level]:
     """The gauge's words for `plan`; `free_tokens` is what the cache has unreferenced now
-    (free + reclaimable), said when it is less than the chat may hold."""
+    (free + reclaimable), said when it is less than the chat may hold; `no_plan` when
+    there is nothing to count with."""
     if plan is None:
-        return "Load a model to see how much of its context this chat uses.", Level.OK
+        return no_plan, Level.OK
     limit = plan.window.limit
     of = f"of {limit:,} this chat can hold"
     if free_tokens is not None and free_tokens < limit:
@@ -89,9 +100,11 @@ class ContextGauge(QWidget):
         """The tokens the next job's prompt holds (0 without a plan)."""
         return self.plan.prompt_tokens if self.plan is not None and self.plan.sends else 0
 
-    def show_plan(self, plan: ContextPlan | None, free_tokens: int | None = None) -> None:
+    def show_plan(
+        self, plan: ContextPlan | None, free_tokens: int | None = None, no_plan: str = NO_PLAN
+    ) -> None:
         self.plan, self.free_tokens = plan, free_tokens
-        text, self.level = gauge_text(plan, free_tokens)
+        text, self.level = gauge_text(plan, free_tokens, no_plan)
         self.label.setText(text)
         self.label.setProperty("level", self.level.value)
         self.label.style().unpolish(self.label)

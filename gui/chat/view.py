@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 from gui.chat.bubble import MessageBubble, bubble_style, notice_bubble
 from gui.chat.context import DEFAULT_POLICY, ContextPolicy
 from gui.chat.controller import DEFAULT_SAMPLING, ChatController
-from gui.chat.gauge import REFRESH_MS, ContextGauge
+from gui.chat.gauge import NO_PLAN, REFRESH_MS, REMOTE_NO_PLAN, ContextGauge
 from gui.chat.presets import PresetPicker, PresetStore
 from gui.elided_label import ElidedLabel
 from gui.palette import palette_for
@@ -537,7 +537,8 @@ class ChatView(QWidget):
             self.gauge.show_plan(None)
             return
         plan = self.controller.preview(self.conversation_id, self.input.toPlainText())
-        self.gauge.show_plan(plan, self.gauge.free_tokens)
+        remote = self.controller.bridge.remote
+        self.gauge.show_plan(plan, self.gauge.free_tokens, REMOTE_NO_PLAN if remote else NO_PLAN)
 
     def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
         super().showEvent(event)

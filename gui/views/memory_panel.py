@@ -76,6 +76,12 @@ class MemoryPanel(QWidget):
         self.header.setTextFormat(Qt.TextFormat.PlainText)
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
         self._header_full = ""
+        # What the views cannot show for the engine they draw (a remote server's limits),
+        # from the snapshot's `note`; hidden for this computer's engine.
+        self.note = QLabel(self)
+        self.note.setWordWrap(True)
+        self.note.setTextFormat(Qt.TextFormat.PlainText)
+        self.note.setVisible(False)
         self.legend = LegendBar(self.chats, self.palette_, self)
         self.page_map = PageMapView(self.chats, self.palette_, self)
         self.tree = PrefixTreeView(self.chats, self.palette_, self)
@@ -94,6 +100,7 @@ class MemoryPanel(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addWidget(self.header)
+        layout.addWidget(self.note)
         layout.addWidget(self.legend)  # outside the splitter: the legend never scrolls away
         layout.addWidget(split, 1)
 
@@ -187,6 +194,7 @@ class MemoryPanel(QWidget):
                 )
                 self.legend.set_counts(tier_counts(snap))
                 self._update_header(snap)
+                self._update_note(getattr(snap, "note", ""))
         elif part == "page_map" and snap is not None:
             self.page_map.set_snapshot(snap, self._tokenizer)
         elif part == "tree" and snap is not None:
@@ -250,6 +258,7 @@ class MemoryPanel(QWidget):
             f"QLabel {{ color: {pal.foreground}; }}"
         )
         self.header.setStyleSheet(f"color: {pal.foreground};")
+        self.note.setStyleSheet(f"color: {pal.foreground}; font-size: 8pt;")
         self._drawn.clear()  # every view redraws in the new colours
         for view in (self.legend, self.page_map, self.tree, self.graphs, self.queue):
             view.set_palette(pal)
@@ -264,6 +273,11 @@ class MemoryPanel(QWidget):
             self._header_full = text
             self.header.setToolTip(text)
             self._elide_header()
+
+    def _update_note(self, note: str) -> None:
+        if note != self.note.text():
+            self.note.setText(note)
+            self.note.setVisible(bool(note))
 
     def _elide_header(self) -> None:
         fm = QFontMetrics(self.header.font())

@@ -109,6 +109,7 @@ class FakeBridge(QObject):
     job_events = Signal(list)
     engine_ready = Signal(object)
     snapshot_ready = Signal(object)
+    remote = False  # this computer's engine, not a server's
 
     def __init__(self):
         super().__init__()

@@ -5,12 +5,13 @@ an Engine on it, and `folio serve`'s server on 127.0.0.1 with the official clien
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import openai
 import pytest
 
 from engine.cache.kv_cache import CacheSettings
-from engine.engine import Engine
+from engine.engine import Engine, EngineSnapshot
 from engine.generator.settings import GeneratorSettings
 from engine.model.loader import load_model
 from engine.server.app import Server, ServerSettings
@@ -64,15 +65,17 @@ def client(server):
         yield c
 
 
-def wait_idle(engine: Engine, timeout: float = 30.0):
-    """The engine's snapshot once no job is left and no page is referenced."""
+def wait_idle(engine: Engine | Callable[[], EngineSnapshot], timeout: float = 30.0):
+    """The engine's snapshot once no job is left and no page is referenced (``engine``:
+    an Engine, or what reads a snapshot, such as a remote server's)."""
+    read = engine if callable(engine) else engine.snapshot
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        snap = engine.snapshot()
+        snap = read()
         if not snap.jobs and snap.stats.pages_referenced == 0:
             return snap
         time.sleep(0.02)
-    snap = engine.snapshot()
+    snap = read()
     raise AssertionError(
         f"the engine kept {len(snap.jobs)} jobs and {snap.stats.pages_referenced} referenced pages"
     )

@@ -19,43 +19,14 @@ from engine.server.kv_events import (
     publish_engine_events,
     warn_if_exposed,
 )
+from tests.engine.server.vllm_events import vllm_types
 
 PS = 16
 
 
-# vLLM 0.26's wire types (vllm/distributed/kv_events.py): the batch is an array, each
-# event a map tagged by "type".
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+# vLLM 0.26's wire types: the batch is an array, each event a map tagged by "type".
+VLLM = vllm_types(array_like=False)
+BlockStored, BlockRemoved, KVEventBatch = VLLM.BlockStored, VLLM.BlockRemoved, VLLM.KVEventBatch
 
 
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
