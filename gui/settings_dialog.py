@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from PySide6.QtCore import QTimer
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -429,7 +430,7 @@ class SettingsDialog(QDialog):
     def _engine_box(self) -> QGroupBox:
         box = QGroupBox("Engine")
         box.setToolTip(REMOTE_TIP)
-        form = QFormLayout(box)
+        form = self.engine_form = QFormLayout(box)
         self.use_local = QRadioButton("This computer")
         self.use_local.setToolTip("Run the model here, on Folio's own engine")
         self.use_remote = QRadioButton("A server at")
@@ -692,7 +693,23 @@ class SettingsDialog(QDialog):
         problem = self.remote_problem() if values.remote_url or values.remote_events else ""
         self.remote_error.setText(problem)
         self.remote_error.setVisible(bool(problem))
+        # This computer's settings while its engine is chosen, the server's key and event
+        # endpoints while a server is: the dialog keeps to a 700-pixel screen and takes
+        # the height of what it shows.
+        for edit in (self.remote_key, self.remote_events, self.remote_replay):
+            self.engine_form.setRowVisible(edit, values.remote)
+        if self.local_part.isVisibleTo(self) == values.remote:
+            self.local_part.setVisible(not values.remote)
+            # once the layout has taken in the rows shown and hidden
+            QTimer.singleShot(0, self._fit_height)
         self._grow_to_fit()
+
+    def _fit_height(self) -> None:
+        for layout in (self.engine_form, self.local_part.layout(), self.layout()):
+            layout.invalidate()
+            layout.activate()
+        if self.isVisible():
+            self.resize(self.width(), self.sizeHint().height())
 
     def _grow_to_fit(self) -> None:
         """A hint that wrapped to another line, or the note appearing, makes the dialog

@@ -148,6 +148,22 @@ def test_every_field_explains_itself(dialog):
         assert w.toolTip().strip(), f"{type(w).__name__} without an explanation"
 
 
+def test_the_dialog_shows_only_the_chosen_engines_fields_and_fits_700_pixels(dialog, qtbot):
+    d = dialog(EngineSettings())
+    d.show()
+    qtbot.waitExposed(d)
+    assert d.local_part.isVisible() and not d.remote_key.isVisible()
+    assert d.height() <= 700
+    d.use_remote.setChecked(True)
+    assert d.remote_key.isVisible() and d.remote_events.isVisible()
+    assert not d.local_part.isVisible()
+    qtbot.waitUntil(lambda: d.height() < 400)  # the height of what it shows
+    d.use_local.setChecked(True)
+    assert d.local_part.isVisible() and not d.remote_replay.isVisible()
+    qtbot.waitUntil(lambda: d.height() <= 700)
+    assert d.height() > 400
+
+
 # -- page size ---------------------------------------------------------------------------
 
 
