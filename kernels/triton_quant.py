@@ -1,0 +1,323 @@
+"""Matrix products on GGUF block bytes as Triton kernels (issue 18, the CUDA path).
+
+The weight stays as the file has it: its bytes uploaded once as a uint8 tensor
+``[N, row_bytes]`` on the device, never repacked or widened. Two kernels read it:
+
+* :func:`triton_quant_matmul`: decode and small batches, ``y = x W^T`` with ``x`` in
+  float32 (not rounded to int8 as the CPU kernels do: a GPU has the arithmetic to spare),
+  accumulated in float32. One activation row multiplies a ``[BLOCK_N, BLOCK_K]`` tile
+  by a reduction; several rows go through ``tl.dot`` on float32 inputs (``"ieee"``
+  precision, not tf32), in tiles of ``BLOCK_B`` rows.
+* :func:`triton_dequantize`: tiles of the weight dequantized to bf16 (or float32) into a
+  buffer, for prefill through torch's matmul.
+
+Each type's element formula (:func:`_dequant_tile`) is ``ggml-quants.c``'s
+``dequantize_row_*`` written per element: the element's block, its scale bytes and its
+code bytes are gathered from the tile's byte addresses, so one formula serves both
+kernels and every tile shape. Tested against ``gguf.quants.dequantize`` under
+``TRITON_INTERPRET=1`` (tests/kernels/test_triton_quant.py); whether this gather form
+reaches the GPU's bandwidth is what the device check (tools/device_check.sh) measures.
+
+Whether the interpreter is used is decided by ``TRITON_INTERPRET`` when this module is
+imported (as for :mod:`kernels.triton_paged_attention`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRETED", "TRITON_TYPES", "triton_dequantize", "triton_quant_matmul"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# GGML type ids (gguf.GGMLQuantizationType) and their (elements, bytes) per block; kept here
+# so that the CUDA path needs no gguf import.
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+TRITON_TYPES: dict[int, tuple[int, int]] = {
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q8_0: (32, 34),
+    Q4_K: (256, 144),
+    Q5_K: (256, 176),
+    Q6_K: (256, 210),
+}
+MAX_DOT_ROWS = 16  # activation rows per program in the tl.dot kernel (tl.dot's minimum)
+
+
+@triton.jit
+def _u8(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(ptr, mask):
+    """The little-endian fp16 at byte address ``ptr`` (gathered byte by byte: block fields
+    are only 2-byte aligned) as float32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(sc_ptr, j, mask):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block ``j`` (ggml's get_scale_min_k4)."""
+    low = j < 4
+    a = _u8(sc_ptr + j, mask)  # scales[j]
+    b = _u8(sc_ptr + j + 4, mask & low)  # scales[j + 4]
+    c = _u8(sc_ptr + tl.where(low, j, j + 4), mask)  # scales[j + 4] for j >= 4
+    e = _u8(sc_ptr + tl.where(low, j, j - 4), mask)  # scales[j - 4] for j >= 4
+    scale = tl.where(low, a & 63, (c & 0xF) | ((e >> 6) << 4))
+    minimum = tl.where(low, b & 63, (c >> 4) | ((a >> 6) << 4))
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile(
+    rows_ptr, k, mask, QTYPE: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr
+):
+    """float32 weights at element ``k`` of the rows starting at byte addresses
+    ``rows_ptr`` (broadcast against each other, e.g. ``[BN, 1]`` and ``[1, BK]``)."""
+    blk = rows_ptr + (k // BLOCK) * TYPE_SIZE
+    i = k % BLOCK
+    if QTYPE == 8:  # Q8_0: d, qs[32] int8
+        q = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+        return _f16(blk, mask) * q.to(tl.float32)
+    elif QTYPE == 2:  # Q4_0: d, qs[16] (element i: low nibbles, then high ones)
+        q = (_u8(blk + 2 + i % 16, mask) >> ((i // 16) * 4)) & 0xF
+        return _f16(blk, mask) * (q - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1: d, m, qs[16]
+        q = (_u8(blk + 4 + i % 16, mask) >> ((i // 16) * 4)) & 0xF
+        return _f16(blk, mask) * q.to(tl.float32) + _f16(blk + 2, mask)
+    elif QTYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]
+        j = i // 32  # sub-block: chunk of 64 (i // 64), low or high nibbles (j % 2)
+        q = (_u8(blk + 16 + (i // 64) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
+        scale, minimum = _k_scale_min(blk + 4, j, mask)
+        return _f16(blk, mask) * scale * q.to(tl.float32) - _f16(blk + 2, mask) * minimum
+    elif QTYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]
+        j = i // 32
+        q = (_u8(blk + 48 + (i // 64) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
+        q = q | (((_u8(blk + 16 + i % 32, mask) >> j) & 1) << 4)
+        scale, minimum = _k_scale_min(blk + 4, j, mask)
+        return _f16(blk, mask) * scale * q.to(tl.float32) - _f16(blk + 2, mask) * minimum
+    else:  # Q6_K: ql[128], qh[64], scales[16] int8, d
+        half = i // 128
+        quarter = (i % 128) // 32
+        lane = i % 32
+        low = _u8(blk + half * 64 + (quarter % 2) * 32 + lane, mask) >> ((quarter // 2) * 4)
+        high = _u8(blk + 128 + half * 32 + lane, mask) >> (quarter * 2)
+        q = ((low & 0xF) | ((high & 3) << 4)) - 32
+        sc = tl.load(blk + 192 + half * 8 + lane // 16 + quarter * 2, mask=mask, other=0)
+        sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
+        return _f16(blk + 208, mask) * sc * q.to(tl.float32)
+
+
+@triton.jit
+def _matvec_kernel(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    N,
+    K,
+    row_bytes,
+    stride_x,
+    stride_y,
+    QTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One activation row (program axis 1) times ``BLOCK_N`` weight rows (axis 0)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(1).to(tl.int64)
+    row_ok = rows < N
+    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = _dequant_tile(
+            rows_ptr, k[None, :], row_ok[:, None] & k_ok[None, :], QTYPE, BLOCK, TYPE_SIZE
+        )
+        x = tl.load(x_ptr + b * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(y_ptr + b * stride_y + rows, acc, mask=row_ok)
+
+
+@triton.jit
+def _matmul_kernel(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    N,
+    K,
+    B,
+    row_bytes,
+    stride_x,
+    stride_y,
+    QTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """``BLOCK_B`` activation rows (axis 1) times ``BLOCK_N`` weight rows (axis 0): each
+    weight tile is dequantized once for all of them."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bs = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows < N
+    b_ok = bs < B
+    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros((BLOCK_B, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = _dequant_tile(
+            rows_ptr, k[None, :], row_ok[:, None] & k_ok[None, :], QTYPE, BLOCK, TYPE_SIZE
+        )
+        x = tl.load(
+            x_ptr + bs.to(tl.int64)[:, None] * stride_x + k[None, :],
+            mask=b_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    out = y_ptr + bs.to(tl.int64)[:, None] * stride_y + rows[None, :]
+    tl.store(out, acc, mask=b_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    """A ``[BLOCK_N, BLOCK_K]`` tile of the weight into ``out`` (float32, or with
+    ``BF16_BITS`` bf16 bit patterns in an int16 view, rounded to nearest even here: the
+    interpreter's own cast truncates, so the CPU tests would not test what a GPU does)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (k < K)[None, :]
+    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
+    w = _dequant_tile(rows_ptr, k[None, :], mask, QTYPE, BLOCK, TYPE_SIZE)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
+    if BF16_BITS:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(out, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(out, w, mask=mask)
+
+
+def _geometry(data: torch.Tensor, qtype: int, shape: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(N, K, block, type_size), the bytes checked against the shape."""
+    if int(qtype) not in TRITON_TYPES:
+        names = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+        raise ValueError(
+            f"no Triton kernel for GGUF type {int(qtype)}; supported: {', '.join(names.values())}"
+        )
+    block, type_size = TRITON_TYPES[int(qtype)]
+    n, k = (int(s) for s in shape)
+    if k % block:
+        raise ValueError(f"rows of {k} elements are not whole blocks of {block}")
+    if data.dtype != torch.uint8 or tuple(data.shape) != (n, k // block * type_size):
+        raise ValueError(
+            f"weight bytes must be uint8 [{n}, {k // block * type_size}], "
+            f"got {data.dtype} {tuple(data.shape)}"
+        )
+    if not data.is_contiguous():
+        raise ValueError("weight bytes must be contiguous")
+    return n, k, block, type_size
+
+
+def _block_k(block: int) -> int:
+    return 256 if block == 256 else 128
+
+
+def triton_quant_matmul(
+    x: torch.Tensor, data: torch.Tensor, qtype: int, shape: tuple[int, int]
+) -> torch.Tensor:
+    """float32 ``[B, N]`` = ``x [B, K] @ W.T``, ``W`` the GGUF blocks ``data`` (uint8
+    ``[N, row_bytes]``, on ``x``'s device) of type ``qtype`` and shape ``(N, K)``."""
+    n, k, block, type_size = _geometry(data, qtype, shape)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"activations must be [B, {k}], got {tuple(x.shape)}")
+    if x.device != data.device:
+        raise ValueError(f"activations on {x.device}, weights on {data.device}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y
+    args = (data, x, y, n, k, data.shape[1], x.stride(0), y.stride(0), int(qtype), block, type_size)
+    if rows == 1:
+        block_n = 16
+        _matvec_kernel[(triton.cdiv(n, block_n), 1)](
+            *args, BLOCK_N=block_n, BLOCK_K=_block_k(block)
+        )
+    else:
+        block_n = 32
+        _matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, MAX_DOT_ROWS))](
+            data,
+            x,
+            y,
+            n,
+            k,
+            rows,
+            data.shape[1],
+            x.stride(0),
+            y.stride(0),
+            int(qtype),
+            block,
+            type_size,
+            BLOCK_N=block_n,
+            BLOCK_K=64,
+            BLOCK_B=MAX_DOT_ROWS,
+        )
+    return y
+
+
+def triton_dequantize(
+    data: torch.Tensor,
+    qtype: int,
+    shape: tuple[int, int],
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype`` (bf16 for prefill's matmul; float32 exact), into
+    ``out`` when given (a reused buffer of that shape and dtype)."""
+    n, k, block, type_size = _geometry(data, qtype, shape)
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=data.device)
+    elif tuple(out.shape) != (n, k) or not out.is_contiguous() or out.device != data.device:
+        raise ValueError(f"out must be a contiguous [{n}, {k}] tensor on {data.device}")
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dequantize to bfloat16 or float32, not {out.dtype}")
+    bf16 = out.dtype == torch.bfloat16
+    block_n, block_k = 16, _block_k(block)
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        data,
+        out.view(torch.int16) if bf16 else out,
+        n,
+        k,
+        data.shape[1],
+        int(qtype),
+        block,
+        type_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BF16_BITS=bf16,
+    )
+    return out
