@@ -5,11 +5,11 @@ The weight stays as the file has it: its bytes uploaded once as a uint8 tensor
 
 * :func:`triton_quant_matmul`: decode and small batches, ``y = x W^T`` with ``x`` in
   float32 (not rounded to int8 as the CPU kernels do: a GPU has the arithmetic to spare),
-  accumulated in float32. One activation row multiplies a ``[BLOCK_N, BLOCK_K]`` tile
-  by a reduction; several rows go through ``tl.dot`` on float32 inputs (``"ieee"``
-  precision, not tf32), in tiles of ``BLOCK_B`` rows.
-* :func:`triton_dequantize`: tiles of the weight dequantized to bf16 (or float32) into a
-  buffer, for prefill through torch's matmul.
+  accumulated in float32. A program dequantizes a ``[BLOCK_N, BLOCK_K]`` tile once and
+  multiplies it by each of up to ``BLOCK_B`` activation rows with the same reduction, so
+  a row's result does not depend on the batch it is in.
+* :func:`triton_dequantize`: tiles of the weight dequantized to fp16 / bf16 (or float32)
+  into a buffer, for prefill through torch's matmul.
 
 Each type's element formula (:func:`_dequant_tile`) is ``ggml-quants.c``'s
 ``dequantize_row_*`` written per element: the element's block, its scale bytes and its
@@ -45,7 +45,8 @@ TRITON_TYPES: dict[int, tuple[int, int]] = {
     Q5_K: (256, 176),
     Q6_K: (256, 210),
 }
-MAX_DOT_ROWS = 16  # activation rows per program in the tl.dot kernel (tl.dot's minimum)
+DECODE_BLOCK_N = 16  # weight rows per program of the decode kernel
+DECODE_BLOCK_B = 16  # activation rows per program: each weight tile is dequantized once for them
 
 
 @triton.jit
@@ -116,40 +117,7 @@ def _dequant_tile(
 
 
 @triton.jit
-def _matvec_kernel(
-    w_ptr,
-    x_ptr,
-    y_ptr,
-    N,
-    K,
-    row_bytes,
-    stride_x,
-    stride_y,
-    QTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TYPE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One activation row (program axis 1) times ``BLOCK_N`` weight rows (axis 0)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b = tl.program_id(1).to(tl.int64)
-    row_ok = rows < N
-    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = _dequant_tile(
-            rows_ptr, k[None, :], row_ok[:, None] & k_ok[None, :], QTYPE, BLOCK, TYPE_SIZE
-        )
-        x = tl.load(x_ptr + b * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(y_ptr + b * stride_y + rows, acc, mask=row_ok)
-
-
-@triton.jit
-def _matmul_kernel(
+def _decode_kernel(
     w_ptr,
     x_ptr,
     y_ptr,
@@ -166,13 +134,17 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """``BLOCK_B`` activation rows (axis 1) times ``BLOCK_N`` weight rows (axis 0): each
-    weight tile is dequantized once for all of them."""
+    """Up to ``BLOCK_B`` activation rows (program axis 1) times ``BLOCK_N`` weight rows
+    (axis 0). Each weight tile is dequantized once for all the rows; each row's products
+    are then summed by the same code in the same order, whichever rows it shares the
+    program with, so a row's result never depends on its batch (decode alone and decode
+    batched give the same bits, as on the CPU)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    bs = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    first = tl.program_id(1) * BLOCK_B
+    count = tl.minimum(B - first, BLOCK_B)
     row_ok = rows < N
-    b_ok = bs < B
     rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
+    slots = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_B, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -180,14 +152,13 @@ def _matmul_kernel(
         w = _dequant_tile(
             rows_ptr, k[None, :], row_ok[:, None] & k_ok[None, :], QTYPE, BLOCK, TYPE_SIZE
         )
-        x = tl.load(
-            x_ptr + bs.to(tl.int64)[:, None] * stride_x + k[None, :],
-            mask=b_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    out = y_ptr + bs.to(tl.int64)[:, None] * stride_y + rows[None, :]
-    tl.store(out, acc, mask=b_ok[:, None] & row_ok[None, :])
+        for j in range(0, count):
+            b = (first + j).to(tl.int64)
+            x = tl.load(x_ptr + b * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc = tl.where(slots[:, None] == j, acc + part[None, :], acc)
+    out = y_ptr + (first + slots).to(tl.int64)[:, None] * stride_y + rows[None, :]
+    tl.store(out, acc, mask=(slots < count)[:, None] & row_ok[None, :])
 
 
 @triton.jit
@@ -204,7 +175,7 @@ def _dequant_kernel(
     BLOCK_K: tl.constexpr,
     BF16_BITS: tl.constexpr,
 ):
-    """A ``[BLOCK_N, BLOCK_K]`` tile of the weight into ``out`` (float32, or with
+    """A ``[BLOCK_N, BLOCK_K]`` tile of the weight into ``out`` (float32 or fp16, or with
     ``BF16_BITS`` bf16 bit patterns in an int16 view, rounded to nearest even here: the
     interpreter's own cast truncates, so the CPU tests would not test what a GPU does)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -218,7 +189,7 @@ def _dequant_kernel(
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         tl.store(out, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
-        tl.store(out, w, mask=mask)
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _geometry(data: torch.Tensor, qtype: int, shape: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -261,31 +232,24 @@ def triton_quant_matmul(
     y = torch.empty((rows, n), dtype=torch.float32, device=x.device)
     if rows == 0:
         return y
-    args = (data, x, y, n, k, data.shape[1], x.stride(0), y.stride(0), int(qtype), block, type_size)
-    if rows == 1:
-        block_n = 16
-        _matvec_kernel[(triton.cdiv(n, block_n), 1)](
-            *args, BLOCK_N=block_n, BLOCK_K=_block_k(block)
-        )
-    else:
-        block_n = 32
-        _matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, MAX_DOT_ROWS))](
-            data,
-            x,
-            y,
-            n,
-            k,
-            rows,
-            data.shape[1],
-            x.stride(0),
-            y.stride(0),
-            int(qtype),
-            block,
-            type_size,
-            BLOCK_N=block_n,
-            BLOCK_K=64,
-            BLOCK_B=MAX_DOT_ROWS,
-        )
+    grid = (triton.cdiv(n, DECODE_BLOCK_N), triton.cdiv(rows, DECODE_BLOCK_B))
+    _decode_kernel[grid](
+        data,
+        x,
+        y,
+        n,
+        k,
+        rows,
+        data.shape[1],
+        x.stride(0),
+        y.stride(0),
+        int(qtype),
+        block,
+        type_size,
+        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_K=_block_k(block),
+        BLOCK_B=DECODE_BLOCK_B,
+    )
     return y
 
 
@@ -296,15 +260,16 @@ def triton_dequantize(
     dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The weight ``[N, K]`` in ``dtype`` (bf16 for prefill's matmul; float32 exact), into
-    ``out`` when given (a reused buffer of that shape and dtype)."""
+    """The weight ``[N, K]`` in ``dtype`` (bf16 or fp16 for prefill's matmul, each value
+    rounded to nearest even; float32 exact), into ``out`` when given (a reused buffer of
+    that shape and dtype)."""
     n, k, block, type_size = _geometry(data, qtype, shape)
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=data.device)
     elif tuple(out.shape) != (n, k) or not out.is_contiguous() or out.device != data.device:
         raise ValueError(f"out must be a contiguous [{n}, {k}] tensor on {data.device}")
-    if out.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"dequantize to bfloat16 or float32, not {out.dtype}")
+    if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dequantize to bfloat16, float16 or float32, not {out.dtype}")
     bf16 = out.dtype == torch.bfloat16
     block_n, block_k = 16, _block_k(block)
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](

@@ -6,12 +6,11 @@ Tolerances: the kernels multiply float32 activations by the exact dequantized we
 accumulate in float32, so against the float64 product only float32 rounding separates
 them: at most about K u sum |w x| (u = 2^-24) for a sequential sum, well inside
 ``FP32_REL`` = 1e-5 of sum |w x| at K <= 768. The bf16 tile is the float32 weight rounded
-once, so it must equal torch's own rounding exactly.
+once, (as the fp16 one), so it must equal torch's own rounding exactly.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -32,19 +31,8 @@ N = 20  # not a multiple of any BLOCK_N: the last row tile is masked
 
 
 @pytest.fixture(scope="module")
-def tq():
-    # triton picks the interpreter when a kernel is decorated, i.e. at import
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import kernels.triton_quant as module
-
-    if not module.INTERPRETED:
-        module = importlib.reload(module)
-    yield module
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+def tq(triton_quant_interpreted):
+    return triton_quant_interpreted
 
 
 def _k(qtype: Q) -> int:
@@ -64,15 +52,16 @@ def test_dequantize_equals_gguf(tq, qtype):
     data, ref, k = _weight(qtype)
     exact = tq.triton_dequantize(data, int(qtype), (N, k), torch.float32)
     assert torch.equal(exact, torch.from_numpy(ref))
-    tile = tq.triton_dequantize(data, int(qtype), (N, k))
-    assert tile.dtype == torch.bfloat16
-    assert torch.equal(tile, torch.from_numpy(ref).to(torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float16):
+        tile = tq.triton_dequantize(data, int(qtype), (N, k), dtype)
+        assert tile.dtype == dtype
+        assert torch.equal(tile, torch.from_numpy(ref).to(dtype))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17], ids=lambda r: f"B{r}")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_gguf_times_activations(tq, qtype, rows):
-    """One row: the matrix-vector kernel; 3 rows: one tl.dot tile; 17: two."""
+    """17 rows: two row tiles of the decode kernel."""
     data, ref, k = _weight(qtype, seed=1)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = tq.triton_quant_matmul(x, data, int(qtype), (N, k))
@@ -82,6 +71,17 @@ def test_matmul_equals_gguf_times_activations(tq, qtype, rows):
     bound = FP32_REL * (np.abs(x64) @ np.abs(w64).T)
     err = np.abs(y.numpy() - expect)
     assert (err <= bound).all(), f"worst error {err.max():.2e}, bound {bound.min():.2e}"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_its_batch(tq, qtype):
+    """Bit for bit: row 5 alone, among 7 rows, and as the last of 21 (two row tiles)."""
+    data, _, k = _weight(qtype, seed=2)
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(9))
+    alone = tq.triton_quant_matmul(x[5:6], data, int(qtype), (N, k))
+    assert torch.equal(tq.triton_quant_matmul(x[:7], data, int(qtype), (N, k))[5], alone[0])
+    moved = torch.cat([x[:5], x[6:], x[5:6]])
+    assert torch.equal(tq.triton_quant_matmul(moved, data, int(qtype), (N, k))[20], alone[0])
 
 
 def test_strided_activations_and_empty_batch(tq):
@@ -115,6 +115,8 @@ def test_bad_input_is_refused_by_name(tq):
         tq.triton_quant_matmul(torch.zeros(1, 64), data, int(Q.Q4_0), (N, k))
     with pytest.raises(ValueError, match="out must be"):
         tq.triton_dequantize(data, int(Q.Q4_0), (N, k), out=torch.empty(N, k + 1))
+    with pytest.raises(ValueError, match="not torch.int8"):
+        tq.triton_dequantize(data, int(Q.Q4_0), (N, k), torch.int8)
 
 
 _COMPILE = r"""
@@ -128,13 +130,13 @@ target = GPUTarget("cuda", 90, 32)
 pointers = {"w_ptr": "*u8", "x_ptr": "*fp32", "y_ptr": "*fp32"}
 ints = lambda *names: {n: "i32" for n in names}
 kernels = {
-    "matvec": (tq._matvec_kernel, {**pointers, **ints("N", "K", "row_bytes", "stride_x", "stride_y")},
-               {"BLOCK_N": 16}),
-    "matmul": (tq._matmul_kernel, {**pointers, **ints("N", "K", "B", "row_bytes", "stride_x", "stride_y")},
-               {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_B": tq.MAX_DOT_ROWS}),
+    "decode": (tq._decode_kernel, {**pointers, **ints("N", "K", "B", "row_bytes", "stride_x", "stride_y")},
+               {"BLOCK_N": tq.DECODE_BLOCK_N, "BLOCK_B": tq.DECODE_BLOCK_B}),
     "dequant": (tq._dequant_kernel, {"w_ptr": "*u8", "out_ptr": "*i16", **ints("N", "K", "row_bytes")},
                 {"BLOCK_N": 16, "BF16_BITS": True}),
     "dequant_fp32": (tq._dequant_kernel, {"w_ptr": "*u8", "out_ptr": "*fp32", **ints("N", "K", "row_bytes")},
+                     {"BLOCK_N": 16, "BF16_BITS": False}),
+    "dequant_fp16": (tq._dequant_kernel, {"w_ptr": "*u8", "out_ptr": "*fp16", **ints("N", "K", "row_bytes")},
                      {"BLOCK_N": 16, "BF16_BITS": False}),
 }
 done = []
