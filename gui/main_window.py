@@ -445,6 +445,7 @@ class MainWindow(QMainWindow):
             self.engine_settings.cache_settings(),
             self.engine_settings.generator_settings(),
             self.engine_settings.weights,
+            self.engine_settings.device,
         )
 
     def use_loaded(self, loaded: Any) -> None:
@@ -498,6 +499,15 @@ class MainWindow(QMainWindow):
             f" · loaded in {info.load_seconds:.1f} s"
         )
         self.device_label.setText(info.device)
+        self.device_label.setToolTip(info.device_note)
+        if info.device_note:  # CUDA asked for, not there: say so where the device shows
+            self.device_label.setText(f"{info.device} (no GPU)")
+            self.device_label.setStyleSheet(
+                "padding: 0 6px; border-right: 1px solid #c8c8c8; color: #a15c00;"
+            )
+            self.statusBar().showMessage(info.device_note, 30_000)
+        else:
+            self.device_label.setStyleSheet("padding: 0 6px; border-right: 1px solid #c8c8c8;")
         self._last_status = 0.0
 
     def on_engine_failed(self, message: str) -> None:

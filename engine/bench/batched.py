@@ -164,7 +164,9 @@ def transformers_case(hf_model, loaded: LoadedModel, pp: int, tg: int, b: int) -
 
 
 def run_batched_bench(args: argparse.Namespace) -> None:
-    loaded = load_model(args.model, batched_weights=args.batched_weights)
+    loaded = load_model(
+        args.model, batched_weights=args.batched_weights, device=getattr(args, "device", "cpu")
+    )
     # Side by side: batches of BATCHED_FROM_ROWS and more again without the bf16 copies
     plain = None
     if loaded.batched_weights_bytes and args.batched_weights == "auto":
