@@ -184,3 +184,20 @@ def test_copy_on_write_is_invisible_on_the_gpu(on_gpu):
     assert all(t == one.token_ids[0] for t in greedy.token_ids)
     assert len({tuple(t) for t in forked.token_ids}) > 1
     assert forked.peak_pages < 4 * one.peak_pages
+
+
+def test_quantized_pages_on_the_gpu(on_gpu):
+    """K and V in 8 bits on the device (keys calibrated by a forward on the GPU): the
+    pages are there, the job runs to its length, and no page leaks."""
+    cache = CacheSettings(page_size=16, token_budget=512, k_bits=8, v_bits=8)
+    gen = make_generator(on_gpu, cache=cache)
+    assert all(t.is_cuda for t in gen.cache.storage.page_tensors())
+    request = JobRequest(
+        prompt=random_ids(40, 6, on_gpu.config.vocab_size),
+        sampling=GREEDY,
+        max_new_tokens=10,
+        stop_token_ids=(),
+    )
+    job = gen.submit(request)
+    result = drain(gen)[job.job_id]
+    assert len(result.token_ids[0]) == 10
