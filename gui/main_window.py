@@ -501,11 +501,11 @@ class MainWindow(QMainWindow):
         self.device_label.setText(info.device)
         self.device_label.setToolTip(info.device_note)
         if info.device_note:  # CUDA asked for, not there: say so where the device shows
-            self.device_label.setText(f"{info.device} (no GPU)")
+            # (a timed status message would hide the bar's labels, this one included)
+            self.device_label.setText(f"{info.device}: no CUDA GPU found")
             self.device_label.setStyleSheet(
                 "padding: 0 6px; border-right: 1px solid #c8c8c8; color: #a15c00;"
             )
-            self.statusBar().showMessage(info.device_note, 30_000)
         else:
             self.device_label.setStyleSheet("padding: 0 6px; border-right: 1px solid #c8c8c8;")
         self._last_status = 0.0

@@ -307,6 +307,12 @@ class SettingsDialog(QDialog):
         self.threads.setRange(0, os.cpu_count() or 64)
         self.threads.setSpecialValueText("automatic")
         form.addRow("CPU threads", self.threads)
+        self.device = _device_combo()
+        self.device.setToolTip(
+            "Where the model runs; changing it loads the model again. A GPU that is not "
+            "there means the CPU, and the status bar says so."
+        )
+        form.addRow("Device", self.device)
         self.weights = QComboBox()
         for mode in USER_WEIGHT_MODES:
             self.weights.addItem(WEIGHT_CHOICES[mode], mode)
@@ -315,12 +321,6 @@ class SettingsDialog(QDialog):
         )
         self.weights.setEnabled(model is None or bool(model.weight_costs))
         form.addRow("Weights in memory", self.weights)
-        self.device = _device_combo()
-        self.device.setToolTip(
-            "Where the model runs; changing it loads the model again. A GPU that is not "
-            "there means the CPU, and the status bar says so."
-        )
-        form.addRow("Device", self.device)
         self.weights_note = QLabel()
         self.weights_note.setWordWrap(True)
         layout.addLayout(form)
