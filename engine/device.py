@@ -120,6 +120,49 @@ def device_label(device: torch.device) -> str:
     return f"{device} {torch.cuda.get_device_name(device)}"
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory as torch sees it, in bytes: the driver's total and free
+    (``torch.cuda.mem_get_info``), and what torch's allocator holds in tensors
+    (``allocated``) and has reserved from the driver (``reserved`` >= ``allocated``)."""
+
+    total: int
+    free: int
+    allocated: int
+    reserved: int
+
+    def describe(self, weights: int, kv: int) -> str:
+        """The status bar's words: weights, KV pages, the allocator's reserve beyond
+        its tensors (activations, kernels' scratch, cached blocks), and what is free."""
+        from engine.units import format_bytes
+
+        def size(n: int) -> str:
+            return format_bytes(n, binary=True)
+
+        other = max(0, self.allocated - weights - kv)
+        reserve = self.reserved - self.allocated
+        return (
+            f"VRAM: weights {size(weights)} · KV {size(kv)} · other {size(other)}"
+            f" · allocator reserve {size(reserve)} · free {size(self.free)} of {size(self.total)}"
+        )
+
+
+def device_memory(device: torch.device | str) -> DeviceMemory | None:
+    """``device``'s memory, or None for the CPU (its memory is the process's)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(
+        total=int(total),
+        free=int(free),
+        allocated=int(torch.cuda.memory_allocated(device)),
+        reserved=int(torch.cuda.memory_reserved(device)),
+    )
+
+
 def _device_arg(text: str) -> str:
     try:
         return str(parse_device(text))

@@ -49,6 +49,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.cache.disk_tier import DiskTierStats
+from engine.device import device_memory
 from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
@@ -542,6 +543,10 @@ class MainWindow(QMainWindow):
         rss = _process_rss()
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
+        loaded = self.bridge.loaded
+        vram = device_memory(loaded.device) if loaded is not None else None
+        if vram is not None:  # the model on a GPU: what its memory holds
+            text += " · " + vram.describe(loaded.weight_bytes, snapshot.cache_bytes)
         self.memory_label.setText(text)
         disk = snapshot.cache.disk
         self.disk_label.setVisible(disk is not None)

@@ -137,3 +137,25 @@ def test_generate_on_the_cpu(chat_model, capsys):
         == 0
     )
     assert '"new_tokens": 3' in capsys.readouterr().out
+
+
+def test_device_memory_in_words():
+    from engine.device import DeviceMemory, device_memory
+    from engine.units import format_bytes
+
+    assert device_memory("cpu") is None
+    mib = 1 << 20
+    vram = DeviceMemory(
+        total=80_000 * mib, free=60_000 * mib, allocated=900 * mib, reserved=1_200 * mib
+    )
+    text = vram.describe(weights=700 * mib, kv=150 * mib)
+
+    def size(n):
+        return format_bytes(n, binary=True)
+
+    # other: allocated less weights and KV; the reserve: reserved less allocated
+    assert text == (
+        f"VRAM: weights {size(700 * mib)} · KV {size(150 * mib)} · other {size(50 * mib)}"
+        f" · allocator reserve {size(300 * mib)} · free {size(60_000 * mib)} of {size(80_000 * mib)}"
+    )
+    assert vram.describe(weights=900 * mib, kv=100 * mib).count(f"other {size(0)}") == 1

@@ -157,7 +157,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
-def test_cuda_without_a_gpu_loads_on_the_cpu_with_a_note(qtbot, tmp_path, no_gpu):
+def test_cuda_without_a_gpu_loads_on_the_cpu_with_a_note(qtbot, tmp_path, no_gpu, monkeypatch):
     """The app asked for CUDA on a machine without a GPU: the model runs on the CPU and
     the status bar says so in the device's place, the reason in its tooltip."""
     import json
@@ -184,4 +184,16 @@ def test_cuda_without_a_gpu_loads_on_the_cpu_with_a_note(qtbot, tmp_path, no_gpu
     assert window.device_label.text() == "CPU: no CUDA GPU found"
     assert window.device_label.isVisible()
     assert window.device_label.toolTip() == info.device_note
+    assert "VRAM" not in window.memory_label.text()
+    # on a GPU the memory label adds what the device holds (engine.device.DeviceMemory)
+    from engine.device import DeviceMemory
+
+    vram = DeviceMemory(total=8 << 30, free=6 << 30, allocated=1 << 30, reserved=2 << 30)
+    monkeypatch.setattr("gui.main_window.device_memory", lambda device: vram)
+    window.update_status(window.bridge.engine.snapshot())
+    assert window.memory_label.text().endswith(
+        vram.describe(
+            window.bridge.loaded.weight_bytes, window.bridge.engine.snapshot().cache_bytes
+        )
+    )
     window.close()
