@@ -11,10 +11,10 @@ The weight stays as the file has it: its bytes uploaded once as a uint8 tensor
 * :func:`triton_dequantize`: tiles of the weight dequantized to fp16 / bf16 (or float32)
   into a buffer, for prefill through torch's matmul.
 
-Each type's element formula (:func:`_dequant_tile`) is ``ggml-quants.c``'s
-``dequantize_row_*`` written per element: the element's block, its scale bytes and its
-code bytes are gathered from the tile's byte addresses, so one formula serves both
-kernels and every tile shape. Tested against ``gguf.quants.dequantize`` under
+Each type's blocks are unpacked by :func:`_dequant_blocks` (``ggml-quants.c``'s
+``dequantize_row_*``): a tile of whole blocks, each block's scale fields read once and its
+code bytes as one contiguous run, the nibbles and high bits put in element order in
+registers (``tl.join`` / ``tl.permute`` / ``tl.reshape``); both kernels share it. Tested against ``gguf.quants.dequantize`` under
 ``TRITON_INTERPRET=1`` (tests/kernels/test_triton_quant.py); whether this gather form
 reaches the GPU's bandwidth is what the device check (tools/device_check.sh) measures.
 
@@ -77,43 +77,84 @@ def _k_scale_min(sc_ptr, j, mask):
 
 
 @triton.jit
-def _dequant_tile(
-    rows_ptr, k, mask, QTYPE: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr
+def _nibbles(byte, BN: tl.constexpr, NB: tl.constexpr, LEAD: tl.constexpr, LANES: tl.constexpr):
+    """``byte [BN, NB, LEAD, LANES]``'s low nibbles, then its high ones, per lead index:
+    ``[BN, NB, LEAD * 2, LANES]`` (GGUF's 4-bit layouts put the low nibbles of a run of
+    bytes first, the high nibbles of the same bytes next)."""
+    both = tl.join(byte & 0xF, byte >> 4)  # [BN, NB, LEAD, LANES, 2]
+    return tl.reshape(tl.permute(both, (0, 1, 2, 4, 3)), (BN, NB, LEAD * 2, LANES))
+
+
+@triton.jit
+def _dequant_blocks(
+    rows_ptr,
+    first,
+    blocks,
+    row_ok,
+    QTYPE: tl.constexpr,
+    TYPE_SIZE: tl.constexpr,
+    BN: tl.constexpr,
+    NB: tl.constexpr,
 ):
-    """float32 weights at element ``k`` of the rows starting at byte addresses
-    ``rows_ptr`` (broadcast against each other, e.g. ``[BN, 1]`` and ``[1, BK]``)."""
-    blk = rows_ptr + (k // BLOCK) * TYPE_SIZE
-    i = k % BLOCK
+    """float32 ``[BN, NB * block]``: blocks ``first .. first + NB`` (of ``blocks`` per row)
+    of the rows starting at byte addresses ``rows_ptr [BN]``. Each block's scale fields
+    are read once, its code bytes as one contiguous run, then unpacked in registers
+    (ggml-quants.c's ``dequantize_row_*``, element for element)."""
+    index = first + tl.arange(0, NB)
+    blk = rows_ptr[:, None] + index.to(tl.int64)[None, :] * TYPE_SIZE  # [BN, NB]
+    ok = row_ok[:, None] & (index < blocks)[None, :]
+    ok3 = ok[:, :, None]
     if QTYPE == 8:  # Q8_0: d, qs[32] int8
-        q = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
-        return _f16(blk, mask) * q.to(tl.float32)
-    elif QTYPE == 2:  # Q4_0: d, qs[16] (element i: low nibbles, then high ones)
-        q = (_u8(blk + 2 + i % 16, mask) >> ((i // 16) * 4)) & 0xF
-        return _f16(blk, mask) * (q - 8).to(tl.float32)
-    elif QTYPE == 3:  # Q4_1: d, m, qs[16]
-        q = (_u8(blk + 4 + i % 16, mask) >> ((i // 16) * 4)) & 0xF
-        return _f16(blk, mask) * q.to(tl.float32) + _f16(blk + 2, mask)
-    elif QTYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]
-        j = i // 32  # sub-block: chunk of 64 (i // 64), low or high nibbles (j % 2)
-        q = (_u8(blk + 16 + (i // 64) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
-        scale, minimum = _k_scale_min(blk + 4, j, mask)
-        return _f16(blk, mask) * scale * q.to(tl.float32) - _f16(blk + 2, mask) * minimum
-    elif QTYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]
-        j = i // 32
-        q = (_u8(blk + 48 + (i // 64) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
-        q = q | (((_u8(blk + 16 + i % 32, mask) >> j) & 1) << 4)
-        scale, minimum = _k_scale_min(blk + 4, j, mask)
-        return _f16(blk, mask) * scale * q.to(tl.float32) - _f16(blk + 2, mask) * minimum
-    else:  # Q6_K: ql[128], qh[64], scales[16] int8, d
-        half = i // 128
-        quarter = (i % 128) // 32
-        lane = i % 32
-        low = _u8(blk + half * 64 + (quarter % 2) * 32 + lane, mask) >> ((quarter // 2) * 4)
-        high = _u8(blk + 128 + half * 32 + lane, mask) >> (quarter * 2)
-        q = ((low & 0xF) | ((high & 3) << 4)) - 32
-        sc = tl.load(blk + 192 + half * 8 + lane // 16 + quarter * 2, mask=mask, other=0)
-        sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
-        return _f16(blk + 208, mask) * sc * q.to(tl.float32)
+        lane = tl.arange(0, 32)
+        q = tl.load(blk[:, :, None] + 2 + lane[None, None, :], mask=ok3, other=0)
+        w = _f16(blk, ok)[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)
+        return tl.reshape(w, (BN, NB * 32))
+    elif QTYPE == 2 or QTYPE == 3:  # Q4_0: d, qs[16]; Q4_1: d, m, qs[16]
+        lane = tl.arange(0, 16)
+        start = 2 if QTYPE == 2 else 4
+        qs = _u8(blk[:, :, None, None] + start + lane[None, None, None, :], ok3[:, :, :, None])
+        q = tl.reshape(_nibbles(qs, BN, NB, 1, 16), (BN, NB, 32)).to(tl.float32)
+        d = _f16(blk, ok)[:, :, None]
+        if QTYPE == 2:
+            w = d * (q - 8.0)
+        else:
+            w = d * q + _f16(blk + 2, ok)[:, :, None]
+        return tl.reshape(w, (BN, NB * 32))
+    elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, scales[12], (qh[32],) qs[128]
+        sub = tl.arange(0, 8)
+        scale, minimum = _k_scale_min(blk[:, :, None] + 4, sub[None, None, :], ok3)
+        chunk = tl.arange(0, 4)
+        lane = tl.arange(0, 32)
+        start = 16 if QTYPE == 12 else 48
+        offsets = chunk[:, None] * 32 + lane[None, :]  # qs[32 c + l]: chunk c of 64 elements
+        qs = _u8(blk[:, :, None, None] + start + offsets[None, None], ok3[:, :, :, None])
+        q = _nibbles(qs, BN, NB, 4, 32)  # [BN, NB, 8 sub-blocks, 32]
+        if QTYPE == 13:
+            qh = _u8(blk[:, :, None] + 16 + lane[None, None, :], ok3)  # [BN, NB, 32]
+            q = q | (((qh[:, :, None, :] >> sub[None, None, :, None]) & 1) << 4)
+        d = _f16(blk, ok)[:, :, None, None]
+        dmin = _f16(blk + 2, ok)[:, :, None, None]
+        w = d * scale[:, :, :, None] * q.to(tl.float32) - dmin * minimum[:, :, :, None]
+        return tl.reshape(w, (BN, NB * 256))
+    else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; element 128 n + 32 p + l
+        two = tl.arange(0, 2)
+        lane = tl.arange(0, 32)
+        ok5 = ok[:, :, None, None, None]
+        # ql[64 n + 32 (p % 2) + l] holds p = 0, 1 in its low nibble and p = 2, 3 in its high
+        ql_at = two[:, None, None] * 64 + two[None, :, None] * 32 + lane[None, None, :]
+        ql = _u8(blk[:, :, None, None, None] + ql_at[None, None], ok5)  # [BN, NB, 2, 2, 32]
+        both = tl.join(ql & 0xF, ql >> 4)  # [BN, NB, n, p % 2, l, p // 2]
+        low = tl.reshape(tl.permute(both, (0, 1, 2, 5, 3, 4)), (BN, NB, 2, 4, 32))
+        qh_at = two[:, None] * 32 + lane[None, :]
+        qh = _u8(blk[:, :, None, None] + 128 + qh_at[None, None], ok[:, :, None, None])
+        quarter = tl.arange(0, 4)
+        high = (qh[:, :, :, None, :] >> (2 * quarter)[None, None, None, :, None]) & 3
+        q = ((low | (high << 4)) - 32).to(tl.float32)  # [BN, NB, 2, 4, 32]
+        sc = tl.load(blk[:, :, None] + 192 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0)
+        sc = tl.reshape(sc.to(tl.int8, bitcast=True).to(tl.float32), (BN, NB, 2, 4, 2, 1))
+        sc = tl.reshape(tl.broadcast_to(sc, (BN, NB, 2, 4, 2, 16)), (BN, NB, 2, 4, 32))
+        w = _f16(blk + 208, ok)[:, :, None, None, None] * sc * q
+        return tl.reshape(w, (BN, NB * 256))
 
 
 @triton.jit
@@ -143,14 +184,15 @@ def _decode_kernel(
     first = tl.program_id(1) * BLOCK_B
     count = tl.minimum(B - first, BLOCK_B)
     row_ok = rows < N
-    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
+    rows_ptr = w_ptr + rows.to(tl.int64) * row_bytes
     slots = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_B, BLOCK_N), tl.float32)
+    NB: tl.constexpr = BLOCK_K // BLOCK
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = _dequant_tile(
-            rows_ptr, k[None, :], row_ok[:, None] & k_ok[None, :], QTYPE, BLOCK, TYPE_SIZE
+        w = _dequant_blocks(
+            rows_ptr, k0 // BLOCK, K // BLOCK, row_ok, QTYPE, TYPE_SIZE, BLOCK_N, NB
         )
         for j in range(0, count):
             b = (first + j).to(tl.int64)
@@ -179,10 +221,12 @@ def _dequant_kernel(
     ``BF16_BITS`` bf16 bit patterns in an int16 view, rounded to nearest even here: the
     interpreter's own cast truncates, so the CPU tests would not test what a GPU does)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (k < K)[None, :]
-    rows_ptr = w_ptr + rows.to(tl.int64)[:, None] * row_bytes
-    w = _dequant_tile(rows_ptr, k[None, :], mask, QTYPE, BLOCK, TYPE_SIZE)
+    rows_ptr = w_ptr + rows.to(tl.int64) * row_bytes
+    NB: tl.constexpr = BLOCK_K // BLOCK
+    w = _dequant_blocks(rows_ptr, k0 // BLOCK, K // BLOCK, rows < N, QTYPE, TYPE_SIZE, BLOCK_N, NB)
     out = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
     if BF16_BITS:
         bits = w.to(tl.uint32, bitcast=True)
