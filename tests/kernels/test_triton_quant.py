@@ -142,6 +142,8 @@ kernels = {
 done = []
 for qtype, (block, type_size) in tq.TRITON_TYPES.items():
     for name, (fn, signature, sizes) in kernels.items():
+        if name in ("dequant_fp32", "dequant_fp16") and qtype != tq.Q4_K:
+            continue  # the store is all that differs from bf16's: one type shows it lowers
         consts = {"QTYPE": qtype, "BLOCK": block, "TYPE_SIZE": type_size,
                   "BLOCK_K": tq._block_k(block), **sizes}
         src = ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in consts}},
@@ -165,5 +167,5 @@ def test_kernels_compile_for_hopper(tmp_path):
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = run_json(_COMPILE, env=env, timeout=600)
     compiled = result["compiled"]
-    assert len(compiled) == 4 * 6
+    assert len(compiled) == 2 * 6 + 2
     assert all(size > 0 for _, _, size in compiled)
