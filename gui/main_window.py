@@ -49,7 +49,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.cache.disk_tier import DiskTierStats
-from engine.device import device_memory
+from engine.device import device_memory, resolve_or_cpu
 from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
@@ -472,7 +472,10 @@ class MainWindow(QMainWindow):
             from gui.model_manager import ModelManager
 
             self.model_manager = ModelManager(
-                self.bridge, lambda: self.engine_settings.cache_settings(), self
+                self.bridge,
+                lambda: self.engine_settings.cache_settings(),
+                self,
+                device=lambda: str(resolve_or_cpu(self.engine_settings.device)[0]),
             )
             self.model_manager.load_requested.connect(self._load_from_models)
         self.model_manager.show()
