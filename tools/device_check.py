@@ -254,18 +254,21 @@ def measure(check: Check, plan: Plan) -> None:
         lines = tests.stdout.splitlines()
         check.save(cuda_tests={**check.results["cuda_tests"], "summary": lines[-1:],
                                "output_tail": tests.stdout[-4000:]})  # fmt: skip
+    first, *rest = plan.forward  # the main figures first, while time is plentiful
+    bench_forward(check, plan, *first)
     shape, pp, tg, batches = plan.batched
-    batched = check.run(
-        f"batched_{shape}",
-        [*python(), "-m", "folio", "bench", "batched", "--model", made[shape], "--device",
-         plan.device, "--json", "--skip-transformers", "--pp", str(pp), "--tg", str(tg),
-         "--batch", *map(str, batches)],
-        120,
-    )  # fmt: skip
-    if batched is not None:
-        rows = json_lines(batched.stdout)
-        check.save(**{f"batched_{shape}": {**check.results[f"batched_{shape}"], "rows": rows}})
-    for shape, prompt, batches in plan.forward:
+    for graphs in ("on", "off"):  # side by side: what replaying CUDA graphs buys
+        name = f"batched_{shape}_graphs_{graphs}"
+        batched = check.run(
+            name,
+            [*python(), "-m", "folio", "bench", "batched", "--model", made[shape], "--device",
+             plan.device, "--json", "--skip-transformers", "--pp", str(pp), "--tg", str(tg),
+             "--batch", *map(str, batches), "--cuda-graphs", graphs],
+            90,
+        )  # fmt: skip
+        if batched is not None:
+            check.save(**{name: {**check.results[name], "rows": json_lines(batched.stdout)}})
+    for shape, prompt, batches in rest:
         bench_forward(check, plan, shape, prompt, batches)
 
 

@@ -46,23 +46,32 @@ def _folio_case(path: Path, mode: str, device: torch.device) -> _Case:
     load_s = time.perf_counter() - t
 
     cache = KVCache.for_model(loaded, CacheSettings(token_budget=8192))
+    graphs = decode_graphs_for(loaded, cache)
 
     def run(prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
-        return prefill_then_decode(loaded, cache, prefill_tokens, decode_tokens)
+        return prefill_then_decode(loaded, cache, prefill_tokens, decode_tokens, graphs)
 
     return _Case("folio", mode, load_s, loaded.weight_bytes, run)
 
 
+def decode_graphs_for(loaded, cache: KVCache, enabled: bool = True):
+    """The CUDA graphs decode steps on ``cache`` replay from (None on the CPU, or off)."""
+    from engine.model.decode_graphs import DecodeGraphs
+
+    return DecodeGraphs(loaded.model, cache) if enabled and DecodeGraphs.supports(cache) else None
+
+
 def prefill_then_decode(
-    loaded, cache: KVCache, prefill_tokens: int, decode_tokens: int
+    loaded, cache: KVCache, prefill_tokens: int, decode_tokens: int, graphs=None
 ) -> tuple[float, float]:
     """Seconds to prefill a random prompt to its first token, then to decode
     ``decode_tokens`` greedily, one sequence on ``cache`` (cleared first, so the prompt
-    is computed rather than found)."""
+    is computed rather than found); ``graphs`` (`decode_graphs_for`): decode steps
+    replayed from CUDA graphs, captured by an earlier call."""
     ids = _prompt(loaded.config.vocab_size, prefill_tokens)[0].tolist()
     cache.pages.clear()
     t0 = time.perf_counter()
-    runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1)
+    runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1, graphs=graphs)
     token = int(runner.step().argmax())
     t1 = time.perf_counter()
     for _ in range(decode_tokens):

@@ -320,6 +320,19 @@ class KVCache:
         if batch.host is not None and self.numba_decode:
             # A decode step, validated once by StepBatch.build for all layers.
             return decode_numba_unchecked(q, kv, *batch.host, scale, sliding_window)
+        if batch.decode_only and q.is_cuda:
+            from kernels.triton_paged_attention import triton_paged_attention
+
+            return triton_paged_attention(
+                q,
+                kv,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.q_lens,
+                scale,
+                sliding_window,
+                decode=True,
+            )
         return paged_attention(
             q, kv, batch.block_tables, batch.seq_lens, batch.q_lens, scale, sliding_window
         )

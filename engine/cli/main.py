@@ -155,6 +155,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     batched.add_argument("--json", action="store_true", help="one JSON object per line")
     add_device_option(batched)
+    batched.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="on a GPU: decode steps replayed from CUDA graphs (off: run eagerly)",
+    )
     batched.add_argument("--pp", type=int, nargs="+", default=[128, 512])
     batched.add_argument("--tg", type=int, nargs="+", default=[32, 128])
     batched.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])

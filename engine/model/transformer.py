@@ -178,8 +178,12 @@ class Rope:
             t.to(device) for t in (self.inv_freq, self.cos, self.sin)
         )
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+    def tables(
+        self, positions: torch.Tensor, need: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of ``positions``; ``need`` (when the caller knows it on the host):
+        one more than the largest position, saving a read of ``positions``."""
+        need = int(positions.max()) + 1 if need is None else need
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 256)
             steps = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
@@ -387,9 +391,13 @@ class Transformer:
         x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope = self.rope.tables(batch.positions)
+        # a decode step's positions are its sequences' lengths less one, known on the host
+        need = int(batch.host[1].max()) if batch.host is not None else None
+        rope = self.rope.tables(batch.positions, need)
         rope_local = (
-            self.rope_local.tables(batch.positions) if self.rope_local is not self.rope else rope
+            self.rope_local.tables(batch.positions, need)
+            if self.rope_local is not self.rope
+            else rope
         )
         # Which copy int4 projections read (kernels/bf16.py), chosen per forward so that a
         # token's result does not depend on what it is batched with: prefill forwards take

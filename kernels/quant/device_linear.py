@@ -157,7 +157,8 @@ class DeviceBlockEmbedding:
 
         w = self.weight
         index = tokens.reshape(-1).to(w.data.device)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= w.shape[0]):
+        checkable = not (index.is_cuda and torch.cuda.is_current_stream_capturing())
+        if checkable and index.numel() and (int(index.min()) < 0 or int(index.max()) >= w.shape[0]):
             raise IndexError(f"token id outside the vocabulary of {w.shape[0]:,}")
         picked = w.data.index_select(0, index)
         if w.is_float:

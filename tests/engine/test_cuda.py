@@ -202,3 +202,40 @@ def test_quantized_pages_on_the_gpu(on_gpu):
     job = gen.submit(request)
     result = drain(gen)[job.job_id]
     assert len(result.token_ids[0]) == 10
+
+
+def test_graph_replay_equals_eager(on_gpu):
+    from engine.cache.kv_cache import StepBatch
+    from engine.model.decode_graphs import DecodeGraphs
+    from engine.model.runner import SequenceRunner
+
+    cache = KVCache.for_model(on_gpu, CacheSettings(page_size=16, token_budget=1024))
+    graphs = DecodeGraphs(on_gpu.model, cache)
+    runners = [SequenceRunner(on_gpu, cache, random_ids(n, n), 8, job_id=n) for n in (70, 5, 33)]
+    for r in runners:
+        r.step()
+    for step in range(3):  # the first call captures, the next ones replay
+        for r in runners:
+            r.append(11 + step)
+        batch = StepBatch.build([(r.alloc.block_table, r.stored, 1) for r in runners], 16)
+        tokens = torch.tensor([r.tokens[r.stored] for r in runners])
+        eager = on_gpu.model.forward(tokens, batch, cache)
+        assert torch.equal(graphs.forward(tokens, batch), eager)
+        for r in runners:
+            r.stored += 1
+    assert graphs.failure is None and graphs.captured_sizes == [3]
+
+
+def test_generator_with_graphs_equals_without(on_gpu):
+    requests = _requests(on_gpu.config.vocab_size, count=6)
+
+    def tokens(graphs: bool):
+        gen = make_generator(on_gpu, tokens=1024, max_batch_size=4, cuda_graphs=graphs)
+        jobs = [gen.submit(r) for r in requests]
+        results = drain(gen)
+        return [results[j.job_id].token_ids[0] for j in jobs], gen
+
+    eager, _ = tokens(False)
+    replayed, gen = tokens(True)
+    assert replayed == eager
+    assert gen.graphs is not None and gen.graphs.failure is None and gen.graphs.captured_sizes
