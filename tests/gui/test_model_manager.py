@@ -141,8 +141,6 @@ def test_search_shows_results_and_files_with_fit_labels(qtbot, dialog, hub):
     dialog.discover.device = lambda: "cuda:0"
     dialog.discover.refresh_fits()
     assert dialog.discover.fits[Q8].device == "cuda:0"
-    from engine.units import format_bytes
-
     assert f"free memory on cuda:0 now: {format_bytes(10**6)}" in files.cellWidget(0, 3).toolTip()
 
 
