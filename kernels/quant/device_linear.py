@@ -36,6 +36,16 @@ class DeviceWeight:
 
     @classmethod
     def upload(cls, w: QuantWeight, device: torch.device | str) -> DeviceWeight:
+        """ValueError for a block type the Triton kernels do not read (before any byte is
+        copied, so loading fails rather than the first reply)."""
+        if not w.is_float:
+            from kernels.triton_quant import TRITON_TYPES
+
+            if int(w.qtype) not in TRITON_TYPES:
+                raise ValueError(
+                    f"{w.qtype.name} weights have no GPU kernel (the GPU reads Q4_0, Q4_1, "
+                    "Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 and F32); run this file on the CPU"
+                )
         if w.is_float:
             data = w.float_tensor()
         else:

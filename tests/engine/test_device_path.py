@@ -128,3 +128,11 @@ def test_cache_pages_live_on_the_models_device_in_fp16(files):
     assert meta.nbytes() * 2 == cpu.nbytes()
     assert meta.fingerprint != cpu.fingerprint
     assert not meta.numba_decode
+
+
+def test_a_type_without_a_gpu_kernel_is_refused_at_load(interpreter, tmp_path):
+    model = make_hf_model("llama", seed=5, tie_word_embeddings=False)
+    write_gguf(model, tmp_path / "q5.gguf", {"q": Q.Q5_0}, default=Q.Q8_0)
+    loaded = load_model(tmp_path / "q5.gguf", load_tokenizer=False)
+    with pytest.raises(ValueError, match="Q5_0 weights have no GPU kernel"):
+        loaded.model.to("cpu", triton=True)
