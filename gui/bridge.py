@@ -73,6 +73,9 @@ class ModelInfo:
     context_length: int | None = None  # the most tokens the model was trained to read
     batch_copy_bytes: int = 0  # bf16 copies kept for batched decode (kernels/bf16.py)
     url: str = ""  # a remote engine's server; "" for this computer's
+    # Why the model is not on the device the settings ask for (a GPU that is not there);
+    # empty when it is (engine.device.resolve_or_cpu)
+    device_note: str = ""
 
 
 def describe_remote(remote: RemoteEngine, seconds: float) -> ModelInfo:
@@ -91,7 +94,7 @@ def describe_remote(remote: RemoteEngine, seconds: float) -> ModelInfo:
     )
 
 
-def describe_model(loaded: LoadedModel) -> ModelInfo:
+def describe_model(loaded: LoadedModel, device_note: str = "") -> ModelInfo:
     # The quant type most tensors use names the file ("Q4_1"); norms stay F32.
     quantized = {k: v for k, v in loaded.quant_types.items() if k not in ("F32", "F16", "BF16")}
     quant = max(quantized, key=quantized.__getitem__) if quantized else ""
@@ -113,6 +116,7 @@ def describe_model(loaded: LoadedModel) -> ModelInfo:
         kv_shape=_kv_shape(loaded.config),
         context_length=getattr(loaded.config, "max_position_embeddings", None),
         batch_copy_bytes=int(loaded.batched_weights_bytes or 0),
+        device_note=device_note,
     )
 
 
@@ -142,16 +146,9 @@ def weight_costs(loaded: LoadedModel) -> dict[str, int]:
 
 
 def _device_name(loaded: LoadedModel) -> str:
-    # The engine keeps weights wherever the loader put them; find one tensor to ask.
-    import torch
+    from engine.device import device_label
 
-    model = loaded.model
-    for value in vars(model).values():
-        if isinstance(value, torch.Tensor):
-            if value.is_cuda:
-                return torch.cuda.get_device_name(value.device)
-            return "CPU"
-    return "CPU"
+    return device_label(loaded.device)
 
 
 @dataclass(frozen=True)
@@ -268,6 +265,7 @@ class EngineBridge(QObject):
         self._wake_lock = threading.Lock()
         self._wake_sent = False
         self._last_version = -1
+        self._device_note: str | None = None  # the last load's (see `load`)
         # Loads and rebuilds, one at a time, off the UI thread.
         self._worker = TaskRunner(
             self, max_threads=1, describe_error=_start_failure, thread_name="folio-load"
@@ -319,20 +317,26 @@ class EngineBridge(QObject):
         cache_settings: CacheSettings | None = None,
         generator_settings: GeneratorSettings | None = None,
         weight_mode: str | None = None,
+        device: str = "auto",
     ) -> None:
         """Load `path` and start an engine on it, off the UI thread. Ends in
         `engine_ready` or `engine_failed`; `load_progress` reports along the way.
-        `weight_mode` (engine.model.weight_modes) applies to GGUF files."""
+        `weight_mode` (engine.model.weight_modes) applies to GGUF files. `device`
+        (engine/device.py): a GPU that is not there means the CPU, and the `ModelInfo`
+        carries the note that says so."""
+        from engine.device import resolve_or_cpu
         from engine.model.loader import load_model
         from engine.model.weight_modes import DEFAULT_WEIGHT_MODE
 
         mode = weight_mode or DEFAULT_WEIGHT_MODE
 
         def work() -> LoadedModel:
+            resolved, self._device_note = resolve_or_cpu(device)
             loaded = load_model(
                 path,
                 weight_mode=mode,
                 progress=lambda f, what: self.load_progress.emit(f, what),
+                device=resolved,
             )
             _mark_used(path)
             return loaded
@@ -441,7 +445,7 @@ class EngineBridge(QObject):
         if isinstance(engine, Engine):
             self.cache_settings = engine.cache.settings
             self.generator_settings = engine.generator.settings
-            self.model_info = describe_model(engine.loaded)
+            self.model_info = describe_model(engine.loaded, self._device_note or "")
         else:
             self.model_info = describe_remote(engine, engine.connected_in)
         self._last_version = -1

@@ -48,6 +48,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.cache.disk_tier import DiskTierStats
+from engine.device import device_memory, resolve_or_cpu
 from engine.engine import EngineSnapshot
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
@@ -501,6 +502,7 @@ class MainWindow(QMainWindow):
             self.engine_settings.cache_settings(),
             self.engine_settings.generator_settings(),
             self.engine_settings.weights,
+            self.engine_settings.device,
         )
 
     def connect_remote(self) -> None:
@@ -537,7 +539,10 @@ class MainWindow(QMainWindow):
             from gui.model_manager import ModelManager
 
             self.model_manager = ModelManager(
-                self.bridge, lambda: self.engine_settings.cache_settings(), self
+                self.bridge,
+                lambda: self.engine_settings.cache_settings(),
+                self,
+                device=lambda: str(resolve_or_cpu(self.engine_settings.device)[0]),
             )
             self.model_manager.load_requested.connect(self._load_from_models)
             self.model_manager.downloads.completed.connect(lambda _: self.model_picker.refresh())
@@ -571,6 +576,15 @@ class MainWindow(QMainWindow):
                 f" · loaded in {info.load_seconds:.1f} s"
             )
         self.device_label.setText(info.device)
+        self.device_label.setToolTip(info.device_note)
+        if info.device_note:  # CUDA asked for, not there: say so where the device shows
+            # (a timed status message would hide the bar's labels, this one included)
+            self.device_label.setText(f"{info.device}: no CUDA GPU found")
+            self.device_label.setStyleSheet(
+                "padding: 0 6px; border-right: 1px solid #c8c8c8; color: #a15c00;"
+            )
+        else:
+            self.device_label.setStyleSheet("padding: 0 6px; border-right: 1px solid #c8c8c8;")
         self._last_status = 0.0
         self._loading = ""
 
@@ -618,6 +632,10 @@ class MainWindow(QMainWindow):
         rss = self._rss
         if rss:
             text += f" · process {format_bytes(rss, binary=True)}"
+        loaded = self.bridge.loaded
+        vram = device_memory(loaded.device) if loaded is not None else None
+        if vram is not None:  # the model on a GPU: what its memory holds
+            text += " · " + vram.describe(loaded.weight_bytes, snapshot.cache_bytes)
         self.memory_label.setText(text)
         self._kv_bytes = snapshot.cache_bytes
         if rss and self.model_info is not None:

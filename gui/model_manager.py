@@ -47,7 +47,9 @@ class ModelManager(QDialog):
         cache_settings: Callable[[], CacheSettings] | None = None,
         parent: QWidget | None = None,
         manager: DownloadManager | None = None,
+        device: Callable[[], str] | None = None,
     ):
+        """``device``: where a model would run, for the fit labels (default: the CPU)."""
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.setModal(False)
@@ -63,7 +65,7 @@ class ModelManager(QDialog):
         self._pending_load: Path | None = None
         self._shut_down = False
 
-        self.discover = DiscoverTab(cache_settings)
+        self.discover = DiscoverTab(cache_settings, device=device)
         self.downloads = DownloadsTab(self.manager)
         self.library = LibraryTab(
             self._loaded_path, prompt_cache_dir=lambda: cache_settings().disk_dir

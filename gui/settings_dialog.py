@@ -45,6 +45,7 @@ from PySide6.QtWidgets import (
 from engine import paths
 from engine.cache.disk_tier import default_budget, delete_stores, list_stores
 from engine.cache.kv_cache import CacheSettings
+from engine.device import DEFAULT_DEVICE, parse_device
 from engine.generator.generator import GeneratorSettings
 from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, USER_WEIGHT_MODES
 from engine.units import format_bytes
@@ -146,6 +147,7 @@ class EngineSettings:
     max_chunk_size: int = 256
     cpu_threads: int = 0  # 0: torch's default
     weights: str = DEFAULT_WEIGHT_MODE  # how a GGUF file's weights are kept (reloads)
+    device: str = DEFAULT_DEVICE  # auto, cpu, cuda or cuda:N (engine/device.py; reloads)
     disk_cache: bool = True  # the prompt cache on disk (docs/ENGINE.md §10)
     disk_gb: float = 0.0  # its budget per model; 0: the engine's default
     disk_dir: str = ""  # its location; "": engine.paths.kv_cache_dir()
@@ -225,8 +227,8 @@ class EngineSettings:
         return any(getattr(self, f) != getattr(other, f) for f in self.REBUILD_FIELDS)
 
     def needs_reload(self, other: EngineSettings) -> bool:
-        """The weights are kept another way: the model is read again."""
-        return self.weights != other.weights
+        """The weights are kept another way or elsewhere: the model is read again."""
+        return self.weights != other.weights or self.device != other.device
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -244,6 +246,7 @@ class EngineSettings:
             settings.generator_settings().validate(settings.page_size)
             if settings.weights not in USER_WEIGHT_MODES:
                 raise ValueError(f"unknown weight mode {settings.weights!r}")
+            settings = dataclasses.replace(settings, device=str(parse_device(settings.device)))
             _check_disk_fields(settings)
             if settings.backend not in ("local", "remote") or not all(
                 isinstance(getattr(settings, f), str) for f in cls.REMOTE_FIELDS
@@ -387,6 +390,13 @@ class SettingsDialog(QDialog):
         self.threads.setRange(0, os.cpu_count() or 64)
         self.threads.setSpecialValueText("automatic")
         self._add_row("CPU threads", self.threads, THREADS_TIP)
+        self.device = _device_combo()
+        self._add_row(
+            "Device",
+            self.device,
+            "Where the model runs; changing it loads the model again. A GPU that is not "
+            "there means the CPU, and the status bar says so.",
+        )
         self.weights = QComboBox()
         for mode in USER_WEIGHT_MODES:
             self.weights.addItem(WEIGHT_CHOICES[mode], mode)
@@ -413,7 +423,8 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.buttons)
 
         self.set_values(current)
-        for combo in (self.budget_unit, self.page_size, self.k_bits, self.v_bits, self.weights):
+        combos = (self.budget_unit, self.page_size, self.k_bits, self.v_bits, self.weights)
+        for combo in (*combos, self.device):
             combo.currentIndexChanged.connect(self._update_note)
         for spin in (self.budget, self.host_mb, self.max_batch, self.chunk, self.threads):
             spin.valueChanged.connect(self._update_note)
@@ -598,6 +609,9 @@ class SettingsDialog(QDialog):
         self.chunk.setValue(s.max_chunk_size)
         self.threads.setValue(s.cpu_threads)
         self.weights.setCurrentIndex(max(0, self.weights.findData(s.weights)))
+        if self.device.findData(s.device) < 0:  # cuda:3 saved on a machine with one GPU
+            self.device.addItem(s.device, s.device)
+        self.device.setCurrentIndex(self.device.findData(s.device))
         self.disk_on.setChecked(s.disk_cache)
         self.disk_gb.setValue(s.disk_gb)
         self.disk_dir.setText(s.disk_dir)
@@ -619,6 +633,7 @@ class SettingsDialog(QDialog):
             max_chunk_size=self.chunk.value(),
             cpu_threads=self.threads.value(),
             weights=self.weights.currentData(),
+            device=self.device.currentData(),
             disk_cache=self.disk_on.isChecked(),
             disk_gb=self.disk_gb.value(),
             disk_dir=self._disk_dir_value(),
@@ -741,6 +756,33 @@ def _show_hint(label: HintLabel, hint: Hint) -> None:
     label.setText(hint.line)
     label.setToolTip(hint.tooltip)
     label.fit()
+
+
+def device_choices() -> list[tuple[str, str]]:
+    """(label, choice) of the device menu: automatic, the CPU, and CUDA (each GPU by name
+    when torch sees more than one; "cuda" is offered without one too, and then runs on
+    the CPU with a note)."""
+    import torch
+
+    choices = [
+        ("Automatic (a CUDA GPU when there is one)", DEFAULT_DEVICE),
+        ("CPU", "cpu"),
+    ]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return [*choices, ("CUDA GPU (none found)", "cuda")]
+    if count == 1:
+        return [*choices, (f"CUDA: {torch.cuda.get_device_name(0)}", "cuda")]
+    return choices + [
+        (f"cuda:{i}: {torch.cuda.get_device_name(i)}", f"cuda:{i}") for i in range(count)
+    ]
+
+
+def _device_combo() -> QComboBox:
+    combo = QComboBox()
+    for label, choice in device_choices():
+        combo.addItem(label, choice)
+    return combo
 
 
 def _bits_combo() -> QComboBox:

@@ -262,8 +262,11 @@ def triton_paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    decode: bool = False,
 ) -> torch.Tensor:
-    """Paged attention in one Triton launch; see the module docstring."""
+    """Paged attention in one Triton launch; see the module docstring. ``decode``: the
+    caller knows every ``q_lens`` is 1, so the work list (one item per sequence) is made
+    without reading ``q_lens`` back: no host round trip, and capturable in a CUDA graph."""
     total_q, n_heads, head_dim = q.shape
     device = q.device
     k_offset = kv.k_offset
@@ -288,7 +291,11 @@ def triton_paged_attention(
     group = n_heads // kv_heads
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
     rows = block_m // group
-    item_seq, item_block = _work_items(q_lens, rows)
+    if decode:
+        item_seq = torch.arange(len(q_lens), dtype=torch.int32, device=device)
+        item_block = torch.zeros_like(item_seq)
+    else:
+        item_seq, item_block = _work_items(q_lens, rows)
     block_tables = block_tables.to(device).contiguous()
     if len(item_seq) == 0:
         return out.to(q.dtype)

@@ -16,6 +16,28 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def triton_quant_interpreted():
+    """kernels.triton_quant in Triton's interpreter (it runs on CPU tensors); afterwards
+    the module as the session had it (compiled, on a GPU machine)."""
+    import importlib
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import kernels.triton_quant as module
+
+    reloaded = not module.INTERPRETED
+    if reloaded:
+        module = importlib.reload(module)
+    yield module
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    if reloaded:
+        importlib.reload(module)
+
+
 @pytest.fixture(autouse=True)
 def _own_kv_cache_dir(tmp_path_factory, monkeypatch):
     """Each test its own disk tier location, in its children too: `folio generate`,

@@ -71,10 +71,20 @@ def _weights_label(loaded: LoadedModel) -> str:
     return f"{loaded.weight_mode}+bf16" if loaded.batched_weights_bytes else loaded.weight_mode
 
 
-def batched_case(loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool) -> dict:
+def batched_case(
+    loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool, cuda_graphs: bool = True
+) -> dict:
+    """One row of the table. On a GPU with ``cuda_graphs`` the decode steps replay CUDA
+    graphs, which the case's first decode step of each batch size captures (in T_TG)."""
     # Every prompt prefilled in the first step, as llama-batched-bench does.
     pages = b * -(-(pp + tg) // PAGE_SIZE) + 2
-    gen = _generator(loaded, pages * PAGE_SIZE, max_batch_size=b, max_prefill_tokens=b * pp + 1)
+    gen = _generator(
+        loaded,
+        pages * PAGE_SIZE,
+        max_batch_size=b,
+        max_prefill_tokens=b * pp + 1,
+        cuda_graphs=cuda_graphs,
+    )
     if shared:
         # llama-batched-bench's shared prompt: computed once, then B sequences decode
         # from it (parallel sampling: the prompt's pages are shared, copy-on-write).
@@ -132,6 +142,11 @@ def batched_case(loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool) ->
         "S": round((pp_tokens + b * tg) / (t_end - t0), 2),
         "pages": peak,
         "weights": _weights_label(loaded),
+        **(
+            {"cuda_graphs": gen.graphs.status if gen.graphs is not None else "off"}
+            if loaded.device.type == "cuda"
+            else {}
+        ),
     }
 
 
@@ -164,7 +179,9 @@ def transformers_case(hf_model, loaded: LoadedModel, pp: int, tg: int, b: int) -
 
 
 def run_batched_bench(args: argparse.Namespace) -> None:
-    loaded = load_model(args.model, batched_weights=args.batched_weights)
+    loaded = load_model(
+        args.model, batched_weights=args.batched_weights, device=getattr(args, "device", "cpu")
+    )
     # Side by side: batches of BATCHED_FROM_ROWS and more again without the bf16 copies
     plain = None
     if loaded.batched_weights_bytes and args.batched_weights == "auto":
@@ -194,7 +211,7 @@ def run_batched_bench(args: argparse.Namespace) -> None:
     for pp, tg, b, shared in grid:
         models = [loaded] + ([plain] if plain is not None and b >= BATCHED_FROM_ROWS else [])
         for model in models:
-            row = batched_case(model, pp, tg, b, shared)
+            row = batched_case(model, pp, tg, b, shared, getattr(args, "cuda_graphs", "on") == "on")
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)

@@ -40,29 +40,38 @@ class _Case:
         self.decode_s: list[float] = []
 
 
-def _folio_case(path: Path, mode: str) -> _Case:
+def _folio_case(path: Path, mode: str, device: torch.device) -> _Case:
     t = time.perf_counter()
-    loaded = load_model(path, weight_mode=mode, load_tokenizer=False)
+    loaded = load_model(path, weight_mode=mode, load_tokenizer=False, device=device)
     load_s = time.perf_counter() - t
 
     cache = KVCache.for_model(loaded, CacheSettings(token_budget=8192))
+    graphs = decode_graphs_for(loaded, cache)
 
     def run(prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
-        return prefill_then_decode(loaded, cache, prefill_tokens, decode_tokens)
+        return prefill_then_decode(loaded, cache, prefill_tokens, decode_tokens, graphs)
 
     return _Case("folio", mode, load_s, loaded.weight_bytes, run)
 
 
+def decode_graphs_for(loaded, cache: KVCache, enabled: bool = True):
+    """The CUDA graphs decode steps on ``cache`` replay from (None on the CPU, or off)."""
+    from engine.model.decode_graphs import DecodeGraphs
+
+    return DecodeGraphs(loaded.model, cache) if enabled and DecodeGraphs.supports(cache) else None
+
+
 def prefill_then_decode(
-    loaded, cache: KVCache, prefill_tokens: int, decode_tokens: int
+    loaded, cache: KVCache, prefill_tokens: int, decode_tokens: int, graphs=None
 ) -> tuple[float, float]:
     """Seconds to prefill a random prompt to its first token, then to decode
     ``decode_tokens`` greedily, one sequence on ``cache`` (cleared first, so the prompt
-    is computed rather than found)."""
+    is computed rather than found); ``graphs`` (`decode_graphs_for`): decode steps
+    replayed from CUDA graphs, captured by an earlier call."""
     ids = _prompt(loaded.config.vocab_size, prefill_tokens)[0].tolist()
     cache.pages.clear()
     t0 = time.perf_counter()
-    runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1)
+    runner = SequenceRunner(loaded, cache, ids, decode_tokens + 1, graphs=graphs)
     token = int(runner.step().argmax())
     t1 = time.perf_counter()
     for _ in range(decode_tokens):
@@ -73,7 +82,7 @@ def prefill_then_decode(
     return t1 - t0, t2 - t1
 
 
-def _transformers_case(path: Path) -> _Case:
+def _transformers_case(path: Path, device: torch.device) -> _Case:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     t = time.perf_counter()
@@ -83,20 +92,22 @@ def _transformers_case(path: Path) -> _Case:
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         )
-    model.eval()
+    model.to(device).eval()
     load_s = time.perf_counter() - t
 
     @torch.inference_mode()
     def run(prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
-        ids = _prompt(model.config.vocab_size, prefill_tokens)
+        ids = _prompt(model.config.vocab_size, prefill_tokens).to(device)
         cache = DynamicCache()
         t0 = time.perf_counter()
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+        int(token)  # waits for the device
         t1 = time.perf_counter()
         for _ in range(decode_tokens):
             out = model(token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
+        int(token)
         return t1 - t0, time.perf_counter() - t1
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -105,11 +116,12 @@ def _transformers_case(path: Path) -> _Case:
 
 def run_forward_bench(args: Namespace) -> None:
     path = args.model
-    cases = [
-        _folio_case(path, mode) for mode in WEIGHT_MODES if not (path.is_dir() and mode == "int4")
-    ]
+    device = torch.device(getattr(args, "device", "cpu"))
+    # int4 is a CPU format; a GPU runs the file's blocks and, side by side, bf16 matrices
+    skip = {"int4", "dequant"} if device.type != "cpu" else {"int4"} if path.is_dir() else set()
+    cases = [_folio_case(path, mode, device) for mode in WEIGHT_MODES if mode not in skip]
     if not args.skip_transformers:
-        cases.append(_transformers_case(path))
+        cases.append(_transformers_case(path, device))
     for case in cases:
         case.run(32, 2)  # warm-up: first calls allocate and pick kernels
     for _ in range(args.rounds):
@@ -121,6 +133,7 @@ def run_forward_bench(args: Namespace) -> None:
         "bench": "forward",
         "model": path.name,
         "threads": torch.get_num_threads(),
+        "device": str(device),
         "prefill_tokens": args.prefill_tokens,
         "decode_tokens": args.decode_tokens,
         "rounds": args.rounds,

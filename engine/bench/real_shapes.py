@@ -61,28 +61,38 @@ def _warm_page_cache(path: Path) -> None:
 
 
 def _folio_figures(
-    path: str, weights: str, threads: int, tg: int, batches: tuple[int, ...]
+    path: str,
+    weights: str,
+    threads: int,
+    tg: int,
+    batches: tuple[int, ...],
+    device: str = "cpu",
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict:
-    """In a child process: load, first token, prefill, decode, S_TG; its own peak RSS."""
+    """In a child process: load, first token, prefill, decode, S_TG; its own peak RSS
+    (and on a GPU the allocator's peak)."""
     torch.set_num_threads(threads)
     from engine.bench.batched import batched_case
-    from engine.bench.forward import prefill_then_decode
+    from engine.bench.forward import decode_graphs_for, prefill_then_decode
     from engine.cache.kv_cache import CacheSettings, KVCache
     from engine.model.loader import load_model
     from kernels.quant import warm_up
 
-    warm_up()  # numba's cache: compiled once per machine, not part of loading a model
+    if device == "cpu":
+        warm_up()  # numba's cache: compiled once per machine, not part of loading a model
     t = time.perf_counter()
-    loaded = load_model(path, weight_mode=weights)
+    loaded = load_model(path, weight_mode=weights, device=device)
     load_s = time.perf_counter() - t
-    cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=4096))
+    tokens = max(4096, prompt_tokens + 256)
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=tokens))
+    graphs = decode_graphs_for(loaded, cache)  # captured by the first run, not timed again
 
     def run(prompt: int, decode: int) -> tuple[float, float]:
-        return prefill_then_decode(loaded, cache, prompt, decode)
+        return prefill_then_decode(loaded, cache, prompt, decode, graphs)
 
     first_token_s, _ = run(FIRST_TOKEN_PROMPT, 0)
-    prefill_s, decode_s = run(PROMPT_TOKENS, 32)
-    prefill_s2, decode_s2 = run(PROMPT_TOKENS, 32)
+    prefill_s, decode_s = run(prompt_tokens, 32)
+    prefill_s2, decode_s2 = run(prompt_tokens, 32)
     # the model and its 4,096-token cache, through prefill and decode (the S_TG cases
     # below build caches of their own)
     peak_rss = peak_rss_bytes()
@@ -90,13 +100,20 @@ def _folio_figures(
     for b in batches:
         row = batched_case(loaded, 128, tg, b, False)
         s_tg[str(b)] = row["S_TG"]
+    gpu = {}
+    if loaded.device.type == "cuda":
+        gpu = {
+            "device": torch.cuda.get_device_name(loaded.device),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(loaded.device),
+        }
     return {
         "engine": "folio",
+        **gpu,
         "weights": loaded.weight_mode,
         "load_s": round(load_s, 2),
         "weight_bytes": loaded.weight_bytes,
         "first_token_s": round(first_token_s, 3),
-        "prefill_tok_s": round(PROMPT_TOKENS / min(prefill_s, prefill_s2), 1),
+        "prefill_tok_s": round(prompt_tokens / min(prefill_s, prefill_s2), 1),
         "decode_tok_s": round(32 / min(decode_s, decode_s2), 2),
         "s_tg": s_tg,
         "peak_rss_bytes": peak_rss,
@@ -144,14 +161,18 @@ def run_shape_bench(args: Namespace) -> None:
     print(file=sys.stderr)
     threads = args.threads or torch.get_num_threads()
     batches = tuple(args.batch)
+    device = str(getattr(args, "device", "cpu"))
+    prompt = getattr(args, "prompt_tokens", None) or PROMPT_TOKENS
     base = {"bench": "forward", "shape": args.shape, "quant": args.quant, "file_bytes": path.stat().st_size,
-            "threads": threads, "prompt_tokens": PROMPT_TOKENS, "tg": args.tg}  # fmt: skip
+            "threads": threads, "device": device, "prompt_tokens": prompt, "tg": args.tg}  # fmt: skip
     _emit({**base, "mix": mix_report(args.shape, args.quant)})
     _warm_page_cache(path)
     torch.set_num_threads(threads)
-    bound = read_bandwidth()
+    bound = read_bandwidth(device=device)
     per_token = decode_bytes(path)
-    folio = _in_child(_folio_figures, str(path), args.weights, threads, args.tg, batches)
+    folio = _in_child(
+        _folio_figures, str(path), args.weights, threads, args.tg, batches, device, prompt
+    )
     folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)
     folio["bound_gb_s"] = round(bound / 1e9, 2)
     folio["decode_bound_tok_s"] = round(bound / per_token, 2)

@@ -573,6 +573,36 @@ def _write(
     writer.close()
 
 
+def add_vocabulary(w: gguf.GGUFWriter, vocab: Vocabulary) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    if vocab.unk is not None:
+        w.add_unk_token_id(int(vocab.unk))
+    if vocab.pad is not None:
+        w.add_pad_token_id(int(vocab.pad))
+
+
+def write_vocabulary_gguf(path: Path, source: Path | None = None) -> None:
+    """SmolLM2's tokenizer alone in a GGUF (no tensors, about 2 MB): the ``vocab_source``
+    of :func:`make_shape_gguf` where the 98 MB model cannot be fetched or carried (the GPU
+    machine of tools/device_check.py)."""
+    if source is None:
+        from engine.model.fetch import ensure_default_model
+
+        source = ensure_default_model()
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_vocabulary(w, _smollm2_vocabulary(Path(source)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
 def _add_metadata(w: gguf.GGUFWriter, shape: ModelShape, mix: QuantMix, vocab: Vocabulary) -> None:
     w.add_type("model")
     w.add_name(f"{shape.name} {mix.name} random weights")
@@ -598,15 +628,5 @@ def _add_metadata(w: gguf.GGUFWriter, shape: ModelShape, mix: QuantMix, vocab: V
         w.add_sliding_window(shape.sliding_window)
     w.add_file_type(int(mix.ftype))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(vocab.pre)
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.bos)
-    w.add_eos_token_id(vocab.eos)
-    if vocab.unk is not None:
-        w.add_unk_token_id(int(vocab.unk))
-    if vocab.pad is not None:
-        w.add_pad_token_id(int(vocab.pad))
+    add_vocabulary(w, vocab)
     w.add_add_bos_token(False)

@@ -73,6 +73,16 @@ class StepBatch:
         None  # int64 block tables, seq lens for CPU kernels
     )
 
+    def to(self, device: torch.device) -> StepBatch:
+        """This batch with its tensors on ``device`` (itself when they are there); the
+        host arrays stay."""
+        if self.positions.device == device:
+            return self
+        fields = ("positions", "write_pages", "write_slots", "block_tables", "seq_lens")
+        moved = {f: getattr(self, f).to(device, non_blocking=True) for f in fields}
+        moved |= {f: getattr(self, f).to(device) for f in ("q_lens", "logits_rows")}
+        return dataclasses.replace(self, **moved)
+
     @classmethod
     def build(
         cls,
@@ -114,6 +124,10 @@ class StepBatch:
         )
 
 
+def _dense_bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
 @dataclass(frozen=True)
 class KeyCalibration:
     """Per layer, the mean pre-RoPE key (after k_norm where the model has one) over a fixed
@@ -149,12 +163,17 @@ class KVCache:
         settings: CacheSettings,
         calibration: KeyCalibration | None = None,
         disk_label: dict[str, str] | None = None,
+        device: torch.device | str = "cpu",
     ):
         self.settings = settings
         self.page_size = settings.page_size
-        self.fmt_k, self.fmt_v = kv_formats(settings.k_bits, settings.v_bits)
-        k_alloc = kvformat_allocator(self.fmt_k, kv_heads, head_dim)
-        v_alloc = kvformat_allocator(self.fmt_v, kv_heads, head_dim)
+        self.device = torch.device(device)
+        # Unquantized pages: float32 on the CPU (its kernels read them in place), fp16 on
+        # a GPU (half the bytes, and what the Triton kernel reads natively).
+        dense = torch.float32 if self.device.type == "cpu" else torch.float16
+        self.fmt_k, self.fmt_v = kv_formats(settings.k_bits, settings.v_bits, dense)
+        k_alloc = kvformat_allocator(self.fmt_k, kv_heads, head_dim, self.device)
+        v_alloc = kvformat_allocator(self.fmt_v, kv_heads, head_dim, self.device)
         if settings.byte_budget is not None:
             self.storage = PagedKVStorage.from_byte_budget(
                 num_layers, settings.byte_budget, self.page_size, k_alloc, v_alloc
@@ -177,8 +196,8 @@ class KVCache:
         self.fingerprint = CacheFingerprint(
             fingerprint,
             self.page_size,
-            settings.k_bits or 32,
-            settings.v_bits or 32,
+            settings.k_bits or _dense_bits(dense),
+            settings.v_bits or _dense_bits(dense),
             self.calibration.digest if self.calibration is not None else "",
         )
         # what attention reads per layer; with a key offset, rebuilt when its tables grow
@@ -207,7 +226,7 @@ class KVCache:
             settings.eviction,
             disk_tier=self.disk,
         )
-        probe = torch.empty(1, 1, head_dim)
+        probe = torch.empty(1, 1, head_dim, device=self.device)
         self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
 
     @classmethod
@@ -235,6 +254,7 @@ class KVCache:
             settings,
             calibration,
             {"model": loaded.name, "path": str(Path(loaded.path).resolve())},
+            loaded.model.device,
         )
 
     def close(self) -> None:
@@ -276,7 +296,7 @@ class KVCache:
             if table is None:
                 table = rope_table(inv_freq, positions)
                 tables.append((inv_freq, table))
-            offsets.append(KeyOffset(mean, table))
+            offsets.append(KeyOffset(mean.to(self.device), table.to(self.device)))
         return offsets
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
@@ -300,6 +320,19 @@ class KVCache:
         if batch.host is not None and self.numba_decode:
             # A decode step, validated once by StepBatch.build for all layers.
             return decode_numba_unchecked(q, kv, *batch.host, scale, sliding_window)
+        if batch.decode_only and q.is_cuda:
+            from kernels.triton_paged_attention import triton_paged_attention
+
+            return triton_paged_attention(
+                q,
+                kv,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.q_lens,
+                scale,
+                sliding_window,
+                decode=True,
+            )
         return paged_attention(
             q, kv, batch.block_tables, batch.seq_lens, batch.q_lens, scale, sliding_window
         )

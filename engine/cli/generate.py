@@ -29,6 +29,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.model,
         weight_mode=args.weights or DEFAULT_WEIGHT_MODE,
         batched_weights="off",  # one sequence: no batch would read bf16 batch copies
+        device=args.device,
     )
     tok = loaded.tokenizer
     if args.raw or not tok.has_chat_template:

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine.device import add_device_option
 from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
 
 EXIT_USAGE = 2
@@ -66,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"weight storage (default: {DEFAULT_WEIGHT_MODE}, as the file stores them)",
     )
+    add_device_option(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
@@ -86,6 +88,7 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--seed", type=int)
+    add_device_option(chat)
     _add_cache_options(chat)
     add_disk_cache_options(chat)
     add_cache_parser(sub)
@@ -124,8 +127,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     fwd.add_argument("--quant", choices=("q4_k_m", "q4_0", "q8_0"), default="q4_k_m")
     fwd.add_argument("--weights", choices=WEIGHT_MODES, default=DEFAULT_WEIGHT_MODE)
+    add_device_option(fwd)
     fwd.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
     fwd.add_argument("--tg", type=int, default=128, help="--shape: generated tokens per S_TG case")
+    fwd.add_argument(
+        "--prompt-tokens", type=int, default=512, help="--shape: the prompt prefill is timed on"
+    )
     fwd.add_argument(
         "--batch", type=int, nargs="+", default=[4, 16], help="--shape: S_TG batch sizes"
     )
@@ -147,6 +154,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="a subset that runs in under two minutes"
     )
     batched.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_device_option(batched)
+    batched.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="on a GPU: decode steps replayed from CUDA graphs (off: run eagerly)",
+    )
     batched.add_argument("--pp", type=int, nargs="+", default=[128, 512])
     batched.add_argument("--tg", type=int, nargs="+", default=[32, 128])
     batched.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -272,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
             "the desktop app is started by folio.main, not by the engine's command line"
         )
     try:
+        if hasattr(args, "device"):  # before the model is read or fetched: fail fast
+            from engine.device import resolve_device
+
+            args.device = resolve_device(args.device)
         if args.command in ("generate", "chat", "bench", "serve") and hasattr(args, "model"):
             args.model = model_path(args.model)
         if args.command == "generate":
@@ -366,7 +384,7 @@ def _chat(args: argparse.Namespace) -> int:
     if args.cache_tokens < 1:
         raise ValueError(f"--cache-tokens must be at least 1, got {args.cache_tokens}")
     # one conversation decodes one sequence: no batch would read bf16 batch copies
-    loaded = load_model(args.model, batched_weights="off")
+    loaded = load_model(args.model, batched_weights="off", device=args.device)
     if not loaded.tokenizer.has_chat_template:
         raise ValueError(
             f"{loaded.path.name} has no chat template: use `folio generate --raw` instead"
@@ -406,7 +424,7 @@ def _cache_settings(args: argparse.Namespace, loaded):
     need = tokens * kv_bytes_per_token(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.k_bits, args.v_bits
     )
-    free = free_memory("cpu")
+    free = free_memory(loaded.device.type)
     if free is not None and need > free:
         raise ValueError(
             f"a KV cache of {tokens:,} tokens needs {need / 1e9:,.1f} GB but {free / 1e9:.1f} GB "

@@ -46,7 +46,7 @@ def select_continuations(job: Job, beams: list[Sequence], logits: torch.Tensor) 
         [b.generated for b in beams],
     )
     logp = torch.log_softmax(scores, dim=-1)  # a row with no token left is NaN
-    total = logp + torch.tensor([b.score for b in beams])[:, None]
+    total = logp + torch.tensor([b.score for b in beams], device=logp.device)[:, None]
     flat = total.flatten().nan_to_num(nan=-math.inf)
     k = min(2 * width, int(torch.isfinite(flat).sum()))
     if k == 0 and not job.hypotheses:

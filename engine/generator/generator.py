@@ -51,6 +51,7 @@ from engine.generator.sampler import (
 from engine.generator.scheduler import Scheduler
 from engine.generator.settings import GeneratorSettings
 from engine.generator.stops import StopAutomaton, StopHandler, StopReason, StopStep
+from engine.model.decode_graphs import DecodeGraphs
 from engine.model.loader import LoadedModel
 from engine.telemetry import StepRecord, Telemetry
 
@@ -92,6 +93,7 @@ class Generator:
         self.seq_jobs: dict[int, int] = {}  # live sequence id -> job id
         self.steps = 0
         self._grammars: GrammarCompiler | None = None
+        self.graphs: DecodeGraphs | None = None  # made on the first decode step
 
     # -- the public surface ----------------------------------------------------------
 
@@ -342,6 +344,10 @@ class Generator:
             self.pages.ensure_writable(seq.alloc, seq.stored // ps)
         batch = StepBatch.build([(s.alloc.block_table, s.stored, 1) for s in rows], ps)
         tokens = torch.tensor([s.tokens[s.stored] for s in rows])
+        if self.settings.cuda_graphs and DecodeGraphs.supports(self.cache):
+            if self.graphs is None:
+                self.graphs = DecodeGraphs(self.model, self.cache)
+            return self.graphs.forward(tokens, batch)
         return self.model.forward(tokens, batch, self.cache)
 
     def _decode_each_job(

@@ -14,6 +14,8 @@ class GeneratorSettings:
     max_rq_tokens: int = 2048  # tokens a job generates per round before it is requeued
     prefix_caching: bool = True
     defrag: bool = True  # lay cached chains out contiguously when the queues drain
+    # decode steps on a GPU replayed from CUDA graphs (engine/model/decode_graphs.py)
+    cuda_graphs: bool = True
 
     def validate(self, page_size: int) -> None:
         for name in ("max_batch_size", "max_chunk_size", "max_prefill_tokens", "max_rq_tokens"):

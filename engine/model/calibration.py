@@ -48,22 +48,30 @@ def calibration_ids(loaded: LoadedModel, count: int = CALIBRATION_TOKENS) -> tup
 
 
 def calibrate_keys(loaded: LoadedModel, count: int = CALIBRATION_TOKENS) -> KeyCalibration:
-    """One forward over the calibration tokens into an fp32 cache, then per layer the mean
-    of the stored keys with their RoPE undone (``R(p)^-1 = R(-p)``)."""
+    """One forward over the calibration tokens into an unquantized cache (fp32; fp16 on a
+    GPU), then per layer the mean of the stored keys with their RoPE undone
+    (``R(p)^-1 = R(-p)``)."""
     cfg, model = loaded.config, loaded.model
     ids, source = calibration_ids(loaded, count)
     settings = CacheSettings(page_size=DEFAULT_PAGE_SIZE, token_budget=len(ids))
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.fingerprint, settings)
+    cache = KVCache(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        loaded.fingerprint,
+        settings,
+        device=model.device,  # fp32 pages on the CPU, fp16 on a GPU
+    )
     batch = StepBatch.build([(list(range(cache.num_pages)), 0, len(ids))], cache.page_size)
     model.forward(torch.tensor(ids), batch, cache)
     half = cfg.head_dim // 2
     means, freqs = [], []
     for layer in range(cfg.num_layers):
-        inv_freq = model.key_rope(layer).inv_freq
+        inv_freq = model.key_rope(layer).inv_freq.cpu()
         table = rope_table(inv_freq, len(ids))
         cos = torch.cat((table[:, :half], table[:, :half]), -1).unsqueeze(-2)
         sin = torch.cat((table[:, half:], table[:, half:]), -1).unsqueeze(-2)
-        k = cache.storage.k[layer]["data"].flatten(0, 1)[: len(ids)].float()
+        k = cache.storage.k[layer]["data"].flatten(0, 1)[: len(ids)].float().cpu()
         rotated = torch.cat((-k[..., half:], k[..., :half]), -1)
         means.append((k * cos - rotated * sin).mean(0))
         freqs.append(inv_freq)

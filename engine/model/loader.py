@@ -65,6 +65,11 @@ class LoadedModel:
         return self.model.weight_bytes()
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are; caches for this model are made there."""
+        return self.model.device
+
+    @property
     def name(self) -> str:
         return self.path.stem if self.format == "gguf" else self.path.name
 
@@ -107,8 +112,12 @@ def load_model(
     load_tokenizer: bool = True,
     head_bits: int = 4,
     batched_weights: str = "auto",
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
+    """``device``: a resolved device (engine/device.py); on a GPU the weights are kept
+    as the file has them (``native``) or in bf16 (``bf16``, ``dequant``), never int4."""
     path = Path(path)
+    device = torch.device(device)
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight mode {weight_mode!r} is not one of {', '.join(WEIGHT_MODES)}")
     if batched_weights not in BATCHED_WEIGHTS:
@@ -127,7 +136,22 @@ def load_model(
         raise ModelLoadError(
             f"{path}: not a model Folio can read; choose a .gguf file or a folder with config.json and *.safetensors"
         )
-    _add_batched_weights(loaded, batched_weights, report)
+    if device.type != "cpu":
+        if loaded.weight_mode == "int4":
+            raise ModelLoadError(
+                f"{path}: int4 weights are a CPU format; on {device} load with native "
+                "weights (the file's blocks) or bf16"
+            )
+        report(0.9, f"weights to {device}")
+        try:
+            loaded.model.to(device)
+        except (RuntimeError, ValueError) as exc:  # out of device memory, a CPU-only format
+            raise ModelLoadError(f"{path}: cannot put the weights on {device} ({exc})") from exc
+        loaded.fingerprint = hashlib.blake2b(
+            f"{loaded.fingerprint}:{device.type}".encode(), digest_size=16
+        ).hexdigest()
+    else:
+        _add_batched_weights(loaded, batched_weights, report)
     if load_tokenizer:
         report(0.95, "tokenizer")
         loaded.tokenizer = _load_tokenizer(loaded)

@@ -25,8 +25,12 @@ class SequenceRunner:
         prompt_ids: list[int],
         max_new_tokens: int = 0,
         job_id: int = 0,
+        graphs=None,
     ):
+        """``graphs``: an ``engine.model.decode_graphs.DecodeGraphs`` on ``cache`` that
+        single-token steps replay from (a GPU's decode, as the generator runs it)."""
         self.model = loaded.model
+        self.graphs = graphs
         self.cache = cache
         self.tokens = [int(t) for t in prompt_ids]
         self.alloc = cache.pages.allocate(job_id, self.tokens, max_rq_tokens=max_new_tokens)
@@ -47,9 +51,11 @@ class SequenceRunner:
         for logical in range(start // ps, (start + count - 1) // ps + 1):
             self.cache.pages.ensure_writable(self.alloc, logical)
         batch = StepBatch.build([(self.alloc.block_table, start, count)], ps, all_logits)
-        logits = self.model.forward(
-            torch.tensor(self.tokens[start : start + count]), batch, self.cache
-        )
+        tokens = torch.tensor(self.tokens[start : start + count])
+        if self.graphs is not None and batch.decode_only and not all_logits:
+            logits = self.graphs.forward(tokens, batch)
+        else:
+            logits = self.model.forward(tokens, batch, self.cache)
         self.stored = start + count
         for logical in range(start // ps, (self.stored - 1) // ps + 1):
             fill = min(ps, self.stored - logical * ps)

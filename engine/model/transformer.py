@@ -21,6 +21,7 @@ from kernels.bf16 import BATCHED_FROM_ROWS, PackedBF16, bf16_linear, pack_bf16
 from kernels.head import RescoredHead
 from kernels.int4 import Int4Weight, int4_linear
 from kernels.int8 import Int8Weight, int8_linear
+from kernels.quant.device_linear import DeviceBlockEmbedding, DeviceBlockLinear, Uploads
 from kernels.quant.linear import BlockEmbedding, BlockLinear
 
 
@@ -172,11 +173,21 @@ class Rope:
         self.cos = torch.empty(0, head_dim)
         self.sin = torch.empty(0, head_dim)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+    def to(self, device: torch.device) -> None:
+        self.inv_freq, self.cos, self.sin = (
+            t.to(device) for t in (self.inv_freq, self.cos, self.sin)
+        )
+
+    def tables(
+        self, positions: torch.Tensor, need: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of ``positions``; ``need`` (when the caller knows it on the host):
+        one more than the largest position, saving a read of ``positions``."""
+        need = int(positions.max()) + 1 if need is None else need
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+            steps = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+            freqs = torch.outer(steps, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
         return self.cos[positions], self.sin[positions]
@@ -216,7 +227,7 @@ class Transformer:
         embedding: torch.Tensor | BlockEmbedding,
         layers: list[Layer],
         final_norm: torch.Tensor,
-        lm_head: Linear | RescoredHead | BlockLinear,
+        lm_head: Linear | RescoredHead | BlockLinear | DeviceBlockLinear,
         rope_freq_factors: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
     ):
@@ -232,6 +243,67 @@ class Transformer:
             if config.rope_local_theta is not None
             else self.rope
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are and the forward pass computes."""
+        return self.final_norm.device
+
+    def to(self, device: torch.device | str, triton: bool | None = None) -> Transformer:
+        """Move the model to ``device`` in place (and return it). Block weights are
+        uploaded as the file has them and multiplied by the Triton kernels
+        (kernels/quant/device_linear.py); ``triton`` forces that on the CPU too (the
+        tests run the CUDA path in Triton's interpreter). int4 / int8 weights are CPU
+        formats and are refused."""
+        device = torch.device(device)
+        triton = device.type != "cpu" if triton is None else triton
+        if device == self.device and not triton:
+            return self
+        uploads = Uploads(device)
+
+        def move(lin):
+            if isinstance(lin, BlockLinear):
+                return DeviceBlockLinear.of(lin, uploads) if triton else lin
+            if isinstance(lin, Concat):
+                return Concat([move(p) for p in lin.parts])
+            if isinstance(lin, Linear) and isinstance(lin.weight, torch.Tensor):
+                return Linear(lin.weight.to(device), tensor(lin.bias))
+            if isinstance(lin, DeviceBlockLinear):
+                return lin
+            raise ValueError(
+                f"int4 / int8 weights are CPU formats and cannot run on {device}: "
+                "load with native weights (the file's blocks) or bf16"
+            )
+
+        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to(device) if t is not None else None
+
+        table = self.embedding
+        if isinstance(table, BlockEmbedding):
+            self.embedding = DeviceBlockEmbedding.of(table, uploads) if triton else table
+        elif isinstance(table, torch.Tensor):
+            self.embedding = table.to(device)
+        head_is_table = isinstance(self.lm_head, Linear) and self.lm_head.weight is table
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, move(getattr(layer, name)))
+            for name in (
+                "attn_norm",
+                "mlp_norm",
+                "q_norm",
+                "k_norm",
+                "post_attn_norm",
+                "post_mlp_norm",
+            ):
+                setattr(layer, name, tensor(getattr(layer, name)))
+        if head_is_table:  # a tied dense head stays one tensor with the table
+            self.lm_head = Linear(self.embedding, tensor(self.lm_head.bias))
+        else:
+            self.lm_head = move(self.lm_head)
+        self.final_norm = self.final_norm.to(device)
+        for rope in {id(self.rope): self.rope, id(self.rope_local): self.rope_local}.values():
+            rope.to(device)
+        return self
 
     def key_rope(self, index: int) -> Rope:
         """The rotary embedding layer ``index`` applies to its keys (the local one on
@@ -272,7 +344,9 @@ class Transformer:
 
     def _head_is_embedding(self) -> bool:
         head, table = self.lm_head, self.embedding
-        if isinstance(head, BlockLinear) and isinstance(table, BlockEmbedding):
+        if isinstance(head, (BlockLinear, DeviceBlockLinear)) and isinstance(
+            table, (BlockEmbedding, DeviceBlockEmbedding)
+        ):
             return len(head.parts) == 1 and head.parts[0] is table.weight
         return isinstance(head, Linear) and head.weight is table
 
@@ -280,7 +354,7 @@ class Transformer:
         table = self.embedding
         n = (
             table.nbytes()
-            if isinstance(table, BlockEmbedding)
+            if isinstance(table, (BlockEmbedding, DeviceBlockEmbedding))
             else table.numel() * table.element_size()
         )
         if not self._head_is_embedding():
@@ -307,14 +381,23 @@ class Transformer:
         concatenated; their K/V are written into the paged cache. Returns logits
         [R, vocab] for the rows `batch.logits_rows` (usually each sequence's last)."""
         cfg = self.config
+        device = self.device
+        if tokens.device != device:
+            tokens = tokens.to(device, non_blocking=True)
+        batch = batch.to(device)
         table = self.embedding
-        x = table(tokens) if isinstance(table, BlockEmbedding) else F.embedding(tokens, table)
+        blocks = isinstance(table, (BlockEmbedding, DeviceBlockEmbedding))
+        x = table(tokens) if blocks else F.embedding(tokens, table)
         x = x.to(self.dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope = self.rope.tables(batch.positions)
+        # a decode step's positions are its sequences' lengths less one, known on the host
+        need = int(batch.host[1].max()) if batch.host is not None else None
+        rope = self.rope.tables(batch.positions, need)
         rope_local = (
-            self.rope_local.tables(batch.positions) if self.rope_local is not self.rope else rope
+            self.rope_local.tables(batch.positions, need)
+            if self.rope_local is not self.rope
+            else rope
         )
         # Which copy int4 projections read (kernels/bf16.py), chosen per forward so that a
         # token's result does not depend on what it is batched with: prefill forwards take

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from engine.cache.kv_cache import CacheSettings
+from engine.device import add_device_option
 from engine.generator.settings import GeneratorSettings
 from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
 from engine.server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
@@ -54,6 +55,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=DEFAULT_WEIGHT_MODE,
         help=f"weight storage (default: {DEFAULT_WEIGHT_MODE}, as the file stores them)",
     )
+    add_device_option(serve)
     serve.add_argument("--page-size", type=int, default=256)
     serve.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
     serve.add_argument("--k-bits", type=int, help="quantize cached keys to 2..8 bits")
@@ -114,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from engine.model.fetch import ensure_default_model
 
         path = ensure_default_model()
-    loaded = load_model(path, weight_mode=args.weights)
+    loaded = load_model(path, weight_mode=args.weights, device=args.device)
 
     def ready(url: str) -> None:
         pages = engine.cache.pages

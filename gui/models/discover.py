@@ -68,7 +68,7 @@ SORTS = (("Most downloads", SearchSort.DOWNLOADS), ("Most likes", SearchSort.LIK
          ("Recently updated", SearchSort.UPDATED))  # fmt: skip
 FORMATS = (("GGUF", "gguf"), ("safetensors", "safetensors"))
 SEARCH_LIMIT = 40
-DEVICE = "cpu"  # engine/model/loader.py loads onto the CPU
+DEVICE = "cpu"  # where a model loads unless the window says otherwise (DiscoverTab.device)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,8 @@ def fit_arithmetic(fit: FitEstimate, plan: CachePlan, extra_note: str = "") -> s
         )
     lines.append(f"+ runtime {format_bytes(RUNTIME_OVERHEAD_BYTES)}")
     free = format_bytes(fit.free_bytes) if fit.free_bytes is not None else "unknown"
-    lines.append(f"= needs {format_bytes(fit.need_bytes)}   (free RAM now: {free})")
+    where = "RAM" if fit.device == "cpu" else f"memory on {fit.device}"
+    lines.append(f"= needs {format_bytes(fit.need_bytes)}   (free {where} now: {free})")
     lines.append(
         f"Fits: at most {COMFORT_FRACTION:.0%} of free memory · Tight: up to all of it"
         " · Won't fit: more"
@@ -163,11 +164,15 @@ class DiscoverTab(QWidget):
         self,
         cache_settings: Callable[[], CacheSettings],
         parent: QWidget | None = None,
+        device: Callable[[], str] | None = None,
     ):
         super().__init__(parent)
         self.cache_settings = cache_settings
-        # Replaceable (tests pin it): bytes free for a model now, None when unknown.
-        self.free_memory: Callable[[], int | None] = lambda: system_free_memory(DEVICE)
+        # Where a model would run ("cpu", "cuda:0": the Engine settings' device, resolved)
+        self.device: Callable[[], str] = device or (lambda: DEVICE)
+        # Replaceable (tests pin it): bytes free for a model now (RAM, or free VRAM on a
+        # GPU), None when unknown.
+        self.free_memory: Callable[[], int | None] = lambda: system_free_memory(self.device())
         self.runner = TaskRunner(self, describe_error=plain_error, thread_name="folio-hub")
         self.results: list[RepoSummary] = []
         self.details: RepoDetails | None = None
@@ -357,7 +362,12 @@ class DiscoverTab(QWidget):
             else:
                 plan, plan_note = cache_plan(settings, shape)
                 fit = candidate_fit(
-                    c, shape, plan, DEVICE, free_bytes=free, parameters=details.listing.parameters
+                    c,
+                    shape,
+                    plan,
+                    self.device(),
+                    free_bytes=free,
+                    parameters=details.listing.parameters,
                 )
                 self.fits[c.name] = fit
                 tip = fit_arithmetic(fit, plan, "; ".join(filter(None, (plan_note, details.note))))

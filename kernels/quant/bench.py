@@ -79,11 +79,17 @@ def random_blocks(
     return blocks.reshape(n, -1)
 
 
-def read_bandwidth(reps: int = 5) -> float:
-    """bytes/s of ``torch.sum`` over 1 GiB of float32."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
+def read_bandwidth(reps: int = 5, device: str | torch.device = "cpu") -> float:
+    """bytes/s of ``torch.sum`` over 1 GiB of float32 on ``device``."""
+    x = torch.ones(1 << 28, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+    def read() -> None:
+        x.sum()
+        sync()
+
+    read()
+    best = min(_timed(read) for _ in range(reps))
     return x.numel() * 4 / best
 
 

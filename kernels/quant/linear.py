@@ -42,7 +42,25 @@ from kernels.quant.simd import quantize32
 from kernels.quant.weight import QuantWeight
 
 
-class BlockLinear:
+class PartsLinear:
+    """What the projections over file blocks share (here and on a device,
+    kernels/quant/device_linear.py): ``parts`` with ``nbytes``, a bias, and no batch copies
+    (the point is to keep only the file's bytes)."""
+
+    __slots__ = ()
+
+    def nbytes(self) -> int:
+        n = sum(p.nbytes for p in self.parts)
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def add_batched(self) -> int:
+        return 0
+
+    def batched_bytes(self) -> int:
+        return 0
+
+
+class BlockLinear(PartsLinear):
     """``y = x W^T (+ b)``, ``W`` the concatenation of ``parts`` along the output dim.
 
     ``perm`` (optional, int64 ``[N]``) reorders the output columns after the product:
@@ -142,16 +160,6 @@ class BlockLinear:
                 y = decode_matmul(act, part)
                 np.add(y[:rows], y[rows:], out=cols)
         return torch.from_numpy(out)
-
-    def nbytes(self) -> int:
-        n = sum(p.nbytes for p in self.parts)
-        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
-
-    def add_batched(self) -> int:
-        return 0
-
-    def batched_bytes(self) -> int:
-        return 0
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,69 @@ def test_weights_setting_says_what_each_mode_costs(qtbot, tmp_path):
     other = SettingsDialog(s, model=folder)
     qtbot.addWidget(other)
     assert not other.weights.isEnabled()
+
+
+def test_device_setting_round_trip_and_reload(qtbot):
+    s = EngineSettings()
+    assert s.device == "auto"
+    gpu = EngineSettings(device="cuda:1")
+    assert EngineSettings.from_dict(gpu.as_dict()) == gpu
+    assert EngineSettings.from_dict({"device": "CUDA"}).device == "cuda"
+    assert EngineSettings.from_dict({"device": "tpu"}) == EngineSettings()
+    assert gpu.needs_reload(s) and not gpu.needs_rebuild(s)
+    dialog = SettingsDialog(gpu)
+    qtbot.addWidget(dialog)
+    assert dialog.values() == gpu  # kept even where this machine has no second GPU
+    dialog.device.setCurrentIndex(dialog.device.findData("cpu"))
+    assert dialog.values().device == "cpu" and dialog.needs_reload()
+    assert "loads the model again" in dialog.rebuild_note.text()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_cuda_without_a_gpu_loads_on_the_cpu_with_a_note(qtbot, tmp_path, no_gpu, monkeypatch):
+    """The app asked for CUDA on a machine without a GPU: the model runs on the CPU and
+    the status bar says so in the device's place, the reason in its tooltip."""
+    import json
+
+    from PySide6.QtCore import QSettings
+
+    from gui.main_window import MainWindow
+    from gui.settings_dialog import device_choices
+    from gui.store import Store
+    from tests.engine.tiny_models import write_chat_model
+
+    assert ("CUDA GPU (none found)", "cuda") in device_choices()
+    model = write_chat_model(tmp_path / "tiny")
+    qsettings = QSettings(str(tmp_path / "folio.ini"), QSettings.Format.IniFormat)
+    qsettings.setValue("engine/settings", json.dumps(EngineSettings(device="cuda").as_dict()))
+    window = MainWindow(Store(tmp_path / "chats.sqlite3"), qsettings)
+    qtbot.addWidget(window)
+    window.show()
+    window.load_model(model)
+    qtbot.waitUntil(lambda: window.bridge.ready, timeout=30_000)
+    info = window.model_info
+    assert info.device == "CPU" and window.bridge.loaded.device.type == "cpu"
+    assert info.device_note.startswith("device cuda: no CUDA GPU is available")
+    assert window.device_label.text() == "CPU: no CUDA GPU found"
+    assert window.device_label.isVisible()
+    assert window.device_label.toolTip() == info.device_note
+    assert "VRAM" not in window.memory_label.text()
+    # on a GPU the memory label adds what the device holds (engine.device.DeviceMemory)
+    from engine.device import DeviceMemory
+
+    vram = DeviceMemory(total=8 << 30, free=6 << 30, allocated=1 << 30, reserved=2 << 30)
+    monkeypatch.setattr("gui.main_window.device_memory", lambda device: vram)
+    window.update_status(window.bridge.engine.snapshot())
+    assert window.memory_label.text().endswith(
+        vram.describe(
+            window.bridge.loaded.weight_bytes, window.bridge.engine.snapshot().cache_bytes
+        )
+    )
+    window.close()

@@ -136,6 +136,12 @@ def test_search_shows_results_and_files_with_fit_labels(qtbot, dialog, hub):
     dialog.discover.free_memory = lambda: 10**6
     dialog.discover.refresh_fits()
     assert files.cellWidget(0, 3).text() == "Won't fit"
+    # The Engine settings' device is a GPU: the fit is against its free memory
+    assert dialog.discover.fits[Q8].device == "cpu"
+    dialog.discover.device = lambda: "cuda:0"
+    dialog.discover.refresh_fits()
+    assert dialog.discover.fits[Q8].device == "cuda:0"
+    assert f"free memory on cuda:0 now: {format_bytes(10**6)}" in files.cellWidget(0, 3).toolTip()
 
 
 def test_unreachable_hub_shows_plain_words(qtbot, dialog, monkeypatch):

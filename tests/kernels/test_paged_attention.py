@@ -457,3 +457,14 @@ def test_warm_up_compiles_the_decode_kernel():
     assert warm_up() is HAS_NUMBA
     if HAS_NUMBA:
         assert _decode_kernel.signatures  # compiled for the argument types every format uses
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)], ids=["gqa2", "smollm2"])
+def test_triton_decode_work_list_without_a_round_trip(triton_interpreter, heads):
+    """``decode=True`` (every q_len 1, as the caller knows): the work list is one item per
+    sequence, made without reading q_lens back (what lets a CUDA graph capture it)."""
+    import functools
+
+    case = make_case(DECODE, 16, *heads, 32)
+    fn = functools.partial(triton_interpreter.triton_paged_attention, decode=True)
+    assert _max_err(case.paged(fn, 7), case.paged(sliding_window=7)) < 1e-4
