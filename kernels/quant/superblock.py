@@ -212,69 +212,65 @@ def _q6_k(builder, base):
 # kind code -> (GGUF type name, bytes per super-block, the body, sub-blocks per block)
 KBLOCK_KINDS = {0: ("Q4_K", 144, _q4_k, 8), 1: ("Q6_K", 210, _q6_k, 16)}
 KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
+_N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code
 
 
 @intrinsic
 def kblock_dot(
-    typingctx, row, nblk, x, x_a, x_b, xd, xd_a, xd_b, bs, bs_a, bs_b, out, rows, isa, kind, paired
-):
-    """For ``r < rows``: ``out[r]`` (float32 at ``out``) = the dot product of the weight
-    row at ``row`` (``nblk`` super-blocks of ``kind``, a :data:`KBLOCK_CODES` value) with
-    activation row ``r`` in super-block format (:class:`~kernels.quant.activations.
-    Q8KActivations`): int8 at ``x + (r >> 1) * x_a + (r & 1) * x_b``, one float32 scale
-    per 256 at the same offsets from ``xd`` (``xd_a``, ``xd_b``), int32 sums of the codes
-    per sub-block (32 for Q4_K, 16 for Q6_K) likewise from ``bs``: consecutive rows
-    (``x_a = 2 * x_b``), or pairs of a row and its second level (``x_b`` the distance
-    between the levels). ``rows`` (1, 2 or 4), ``isa``, ``kind`` and ``paired`` are
-    compile-time.
+    typingctx, row, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, bs, bs_tok, out, out_tok, tokens,
+    acc, isa, kind, levels
+):  # fmt: skip
+    """For ``j < tokens``: the float32 at ``out + j * out_tok`` = the dot product of the
+    weight row at ``row`` (``nblk`` super-blocks of ``kind``, a :data:`KBLOCK_CODES`
+    value) with token ``j``'s activations in super-block format
+    (:class:`~kernels.quant.activations.Q8KActivations`): level ``l`` of its int8 at
+    ``x + j * x_tok + l * x_lvl``, one float32 scale per 256 likewise from ``xd``
+    (``xd_tok``, ``xd_lvl``), and the integer sums of its codes per sub-block (32 for
+    Q4_K, 16 for Q6_K; with two levels the paired sums) at ``bs + j * bs_tok``. ``acc``:
+    float32 scratch of ``tokens * (16 + sub-blocks)``. ``isa``, ``kind`` and ``levels``
+    (1 or 2) are compile-time; ``tokens`` is not.
 
-    Per super-block and row, in integers (exact): ``isum = sum_s sc[s] * dot_s``,
-    ``imin = sum_s mins[s] * bsum[s]``; then in float32
+    Each super-block is unpacked once, into registers, for all tokens (a loop over the
+    tokens inside the loop over blocks, the accumulators in ``acc``): at 16 tokens of two
+    levels, unpacking once per 4 rows of activations took twice the time (Q4_K 2048 x
+    2048, one thread). Per super-block and token, in integers (exact):
+    ``isum = sum_s sc[s] * dot_s``, ``imin = sum_s mins[s] * bsum[s]``; then in float32
     ``acc += float(isum) * (d * xd) + float(imin) * (dm * xd)``, lane-wise with
-    ``llvm.fma`` and summed by a fixed tree at the end.
+    ``llvm.fma`` and summed by a fixed tree at the end: the same operations for a token
+    whatever the number of tokens (batch invariance).
 
-    ``paired``: rows ``2j`` and ``2j + 1`` are the two levels of token ``j``, the second
-    at 1/256 of the first's scale: ``out[j]`` for ``j < rows / 2``, one float step per
+    Two levels (the second at 1/256 of the first's scale) are paired: one float step per
     block and token, ``float(256 * isum_0 + isum_1) * (d * xd_1)`` (the 256 applied in
-    float) and the offsets times the token's paired sums at ``bs + j * bs_a``
-    (``256 * bsum_0 + bsum_1``, exact)."""
+    float) and the offsets times the paired sums ``256 * bsum_0 + bsum_1`` (exact)."""
     lit = (
-        _literal(rows, (1, 2, 4)),
         _literal(isa, range(len(ISAS))),
         _literal(kind, tuple(KBLOCK_KINDS)),
-        _literal(paired, (0, 1)),
+        _literal(levels, (1, 2)),
     )
-    if any(v is None for v in lit) or (lit[3] and lit[0] == 1):
+    if any(v is None for v in lit):
         return None
-    n_rows, isa_name, kind_v, pair = lit[0], ISAS[lit[1]], lit[2], bool(lit[3])
+    isa_name, kind_v, n_levels = ISAS[lit[0]], lit[1], lit[2]
     _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, rows, isa, kind, paired)
-    n_out = n_rows // 2 if pair else n_rows
+    sig = types.void(u, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
 
     def codegen(context, builder, signature, args):
-        row_a, nblk_v = args[:2]
-        out_a = args[11]
-
-        def rows_of(at, a, b):
-            return [
-                builder.add(
-                    at, builder.add(builder.mul(a, I64(r >> 1)), builder.mul(b, I64(r & 1)))
-                )
-                for r in range(n_rows)
-            ]
-
-        xr, xdr = rows_of(*args[2:5]), rows_of(*args[5:8])
-        if pair:  # the paired sums: one row per token
-            bsr = [builder.add(args[8], builder.mul(args[9], I64(j))) for j in range(n_out)]
-        else:
-            bsr = rows_of(*args[8:11])
+        row_a, nblk_v, x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[:10]
+        out_a, out_tok, tokens_v, acc_a = args[10:14]
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
+        acc_bytes = 4 * (16 + n_sub)
 
-        def zeros(t):
-            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(n_out)]
+        def accs(j):
+            at = builder.add(acc_a, builder.mul(j, I64(acc_bytes)))
+            return (
+                builder.inttoptr(at, ir.PointerType(v16)),
+                builder.inttoptr(builder.add(at, I64(64)), ir.PointerType(vo)),
+            )
 
-        acc, acc_o = zeros(v16), zeros(vo)
+        with cgutils.for_range(builder, tokens_v) as loop:
+            a, a_o = accs(loop.index)
+            builder.store(ir.Constant(v16, None), a, align=4)
+            builder.store(ir.Constant(vo, None), a_o, align=4)
         with cgutils.for_range(builder, nblk_v) as loop:
             blk = loop.index
             base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
@@ -287,9 +283,10 @@ def kblock_dot(
                 pairs = [_pair_scales(builder, sc16, w_lanes) for _, _, w_lanes in chunks]
                 lanes = [None] * len(chunks)
 
-            def isum_of(r):
-                xb = builder.add(xr[r], builder.mul(blk, I64(256)))
-                isum = None
+            def isum_of(xb):
+                # two chains of integer sums (the chunks alternate), added at the end: the
+                # same integers, half the dependent latency of one chain
+                isum = [None]
                 for c, (codes, (e_lo, e_hi), _) in enumerate(chunks):
                     if e_hi == e_lo + 32:  # 64 contiguous elements
                         xv = _load(builder, builder.add(xb, I64(e_lo)), _vec(I8, 64))
@@ -299,40 +296,52 @@ def kblock_dot(
                             _load(builder, builder.add(xb, I64(e_lo)), _vec(I8, 32)),
                             _load(builder, builder.add(xb, I64(e_hi)), _vec(I8, 32)),
                         )
-                    isum = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c], isum)
-                return builder.sitofp(isum, v16)
+                    isum[0] = _scaled_lanes(
+                        builder, isa_name, codes, xv, lanes[c], pairs[c], isum[0]
+                    )
+                return builder.sitofp(isum[0], v16)
 
-            for j in range(n_out):
-                if pair:
+            with cgutils.for_range(builder, tokens_v) as tok:
+                j = tok.index
+                xb = builder.add(
+                    builder.add(x_a, builder.mul(j, x_tok)), builder.mul(blk, I64(256))
+                )
+                xd_j = builder.add(
+                    builder.add(xd_a, builder.mul(j, xd_tok)), builder.mul(blk, I64(4))
+                )
+                if n_levels == 2:
                     total = _fma(
                         builder,
-                        isum_of(2 * j),
+                        isum_of(xb),
                         ir.Constant(v16, [256.0] * 16),
-                        isum_of(2 * j + 1),
+                        isum_of(builder.add(xb, x_lvl)),
                     )
-                    scale_row = 2 * j + 1  # the second level's scale: the first's / 256
+                    xd_j = builder.add(xd_j, xd_lvl)  # the second level's scale: the first's / 256
                 else:
-                    total, scale_row = isum_of(j), j
-                xd_v = _load(builder, builder.add(xdr[scale_row], builder.mul(blk, I64(4))), F32, 4)
-                bsum = _load(
-                    builder,
-                    builder.add(bsr[j], builder.mul(blk, I64(4 * n_sub))),
-                    _vec(I32, n_sub),
-                    4,
+                    total = isum_of(xb)
+                xd_v = _load(builder, xd_j, F32, 4)
+                bs_j = builder.add(
+                    builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
                 )
-                imin = builder.mul(mins, bsum)
+                imin = builder.mul(mins, _load(builder, bs_j, _vec(I32, n_sub), 4))
                 f = _splat(builder, builder.fmul(d, xd_v), 16)
                 fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
-                builder.store(_fma(builder, total, f, builder.load(acc[j])), acc[j])
+                a, a_o = accs(j)
+                builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
                 builder.store(
-                    _fma(builder, builder.sitofp(imin, vo), fm, builder.load(acc_o[j])), acc_o[j]
+                    _fma(builder, builder.sitofp(imin, vo), fm, builder.load(a_o, align=4)),
+                    a_o,
+                    align=4,
                 )
-        for j in range(n_out):
+        with cgutils.for_range(builder, tokens_v) as loop:
+            j = loop.index
+            a, a_o = accs(j)
             total = builder.fadd(
-                _tree_sum(builder, builder.load(acc[j])), _tree_sum(builder, builder.load(acc_o[j]))
+                _tree_sum(builder, builder.load(a, align=4)),
+                _tree_sum(builder, builder.load(a_o, align=4)),
             )
-            dst = builder.inttoptr(builder.add(out_a, I64(4 * j)), ir.PointerType(F32))
-            builder.store(total, dst, align=4)
+            dst = builder.add(out_a, builder.mul(j, out_tok))
+            builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -349,34 +358,6 @@ def one_part(w):
 
 
 @numba.njit(**INLINE)
-def _dots(kind, row_at, nblk, x_at, xd_at, bs_at, steps, dots_at, rows, paired):
-    """One pass of :func:`kblock_dot` over ``rows`` (4, 2 or 1) activation rows, the
-    literal row count picked at run time (numba needs it at compile time)."""
-    xa, xb, da, db, sa, sb = steps[0], steps[1], steps[2], steps[3], steps[4], steps[5]
-    if paired:
-        if rows == 4:
-            kblock_dot(
-                row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind, 1
-            )
-        else:
-            kblock_dot(
-                row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind, 1
-            )
-    elif rows == 4:
-        kblock_dot(
-            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 4, ISA, kind, 0
-        )
-    elif rows == 2:
-        kblock_dot(
-            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 2, ISA, kind, 0
-        )
-    else:
-        kblock_dot(
-            row_at, nblk, x_at, xa, xb, xd_at, da, db, bs_at, sa, sb, dots_at, 1, ISA, kind, 0
-        )
-
-
-@numba.njit(**INLINE)
 def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     """``out[t, n]`` = weight row ``n`` dotted with activation row ``t`` (``levels`` 1),
     or with the two levels of token ``t``, rows ``t`` and ``t + T`` (``levels`` 2: an
@@ -387,10 +368,9 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
     part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``):
     the parts of a fused projection (q/k/v, gate/up) in one call, wherever each lies in
-    the mapped file. The rows are split in ``tasks`` ranges over numba's threads, 4, 2 or
-    1 activation rows per pass over a weight row (each row's arithmetic the same whatever
-    the pass, so every output the same bits for any batch), the next weight row
-    prefetched."""
+    the mapped file. The rows are split in ``tasks`` ranges over numba's threads; each
+    weight row is read and unpacked once for all tokens (:func:`kblock_dot`), the next
+    one prefetched."""
     n_parts = parts.shape[0]
     n_rows = 0
     for p in range(n_parts):
@@ -399,18 +379,12 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     nblk = xq.shape[1] // 256
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
-    xq_at, xd_at, bs_at = xq.ctypes.data, xd.ctypes.data, bsum.ctypes.data
-    qs, ds, ss = xq.strides[0], xd.strides[0], bsum.strides[0]
-    steps = np.empty(6, np.int64)
-    # row r of a pass at (r >> 1) * steps[0] + (r & 1) * steps[1] (int8; then scales, sums)
-    for j, stride in enumerate((qs, ds, ss)):
-        if levels == 2:  # pairs (row t, row t + T); the paired sums one row per token
-            steps[2 * j], steps[2 * j + 1] = stride, tokens * stride
-        else:  # consecutive rows
-            steps[2 * j], steps[2 * j + 1] = 2 * stride, stride
+    xq_at, xd_at, bs_at, out_at = xq.ctypes.data, xd.ctypes.data, bsum.ctypes.data, out.ctypes.data
+    qs, ds, ss, os_ = xq.strides[0], xd.strides[0], bsum.strides[0], out.strides[0]
+    n_sub = _N_SUB[kind]
     for t in numba.prange(tasks):
-        dots = np.empty(4, np.float32)
-        dots_at = dots.ctypes.data
+        acc = np.empty(tokens * (16 + n_sub), np.float32)
+        acc_at = acc.ctypes.data
         first = t * per
         last = min(first + per, n_rows)
         p, base = 0, 0  # the part holding row n, and its first row's index
@@ -425,14 +399,15 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
             if n + 1 < last:
                 nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
                 prefetch(nxt, row_bytes)
-            b = 0
-            while b < tokens:
-                step = min(4 // levels, tokens - b)
-                if step == 3:
-                    step = 2
-                rows = levels * step
-                x_at, d_at, s_at = xq_at + b * qs, xd_at + b * ds, bs_at + b * ss
-                _dots(kind, row_at, nblk, x_at, d_at, s_at, steps, dots_at, rows, levels == 2)
-                for r in range(step):
-                    out[b + r, n] = dots[r]
-                b += step
+            o_at = out_at + 4 * n
+            # the second level of token t is row t + T (levels 2)
+            if levels == 2:
+                kblock_dot(
+                    row_at, nblk, xq_at, qs, tokens * qs, xd_at, ds, tokens * ds, bs_at, ss,
+                    o_at, os_, tokens, acc_at, ISA, kind, 2
+                )  # fmt: skip
+            else:
+                kblock_dot(
+                    row_at, nblk, xq_at, qs, 0, xd_at, ds, 0, bs_at, ss,
+                    o_at, os_, tokens, acc_at, ISA, kind, 1
+                )  # fmt: skip

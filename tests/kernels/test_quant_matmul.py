@@ -358,12 +358,12 @@ _SUPERBLOCK_CPUS = [
 ]
 
 
-@pytest.mark.parametrize("paired", [0, 1])
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _SUPERBLOCK_CPUS)
-def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, paired):
-    """The in-register super-block kernels (superblock.py) on each ISA path, one row
-    per output or the two levels of a token paired."""
+def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels):
+    """The in-register super-block kernels (superblock.py) on each ISA path, one level
+    of int8 activations or two paired."""
     import re
 
     from numba import types
@@ -371,7 +371,7 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, paired)
     from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(paired)]
+    argtypes = [u] * 14 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(levels)]
     asm = _asm_for(kblock_dot, argtypes, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
