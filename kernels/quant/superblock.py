@@ -212,22 +212,27 @@ def _q6_k(builder, base):
 # kind code -> (GGUF type name, bytes per super-block, the body, sub-blocks per block)
 KBLOCK_KINDS = {0: ("Q4_K", 144, _q4_k, 8), 1: ("Q6_K", 210, _q6_k, 16)}
 KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
+# Weight rows one kernel call walks block by block together: each block's activations
+# for all tokens are read once per group from L1 (at 16 tokens of two levels the whole
+# activations, 64 KB, fall out of L1 when one row runs through all its blocks first)
+ROW_GROUP = 4
 _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code
 
 
 @intrinsic
 def kblock_dot(
-    typingctx, row, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, bs, bs_tok, out, out_tok, tokens,
+    typingctx, row, row_step, n_w, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, bs, bs_tok, out, out_tok, tokens,
     acc, isa, kind, levels
 ):  # fmt: skip
-    """For ``j < tokens``: the float32 at ``out + j * out_tok`` = the dot product of the
-    weight row at ``row`` (``nblk`` super-blocks of ``kind``, a :data:`KBLOCK_CODES`
-    value) with token ``j``'s activations in super-block format
+    """For ``w < n_w`` and ``j < tokens``: the float32 at ``out + 4 * w + j * out_tok`` =
+    the dot product of the weight row at ``row + w * row_step`` (``nblk`` super-blocks of
+    ``kind``, a :data:`KBLOCK_CODES` value) with token ``j``'s activations in super-block format
     (:class:`~kernels.quant.activations.Q8KActivations`): level ``l`` of its int8 at
     ``x + j * x_tok + l * x_lvl``, one float32 scale per 256 likewise from ``xd``
     (``xd_tok``, ``xd_lvl``), and the integer sums of its codes per sub-block (32 for
     Q4_K, 16 for Q6_K; with two levels the paired sums) at ``bs + j * bs_tok``. ``acc``:
-    float32 scratch of ``tokens * (16 + sub-blocks)``. ``isa``, ``kind`` and ``levels``
+    float32 scratch of ``n_w * tokens * (16 + sub-blocks)``. The ``n_w`` rows go block by
+    block together (:data:`ROW_GROUP`). ``isa``, ``kind`` and ``levels``
     (1 or 2) are compile-time; ``tokens`` is not.
 
     Each super-block is unpacked once, into registers, for all tokens (a loop over the
@@ -252,11 +257,12 @@ def kblock_dot(
     isa_name, kind_v, n_levels = ISAS[lit[0]], lit[1], lit[2]
     _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
+    sig = types.void(u, i, i, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
 
     def codegen(context, builder, signature, args):
-        row_a, nblk_v, x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[:10]
-        out_a, out_tok, tokens_v, acc_a = args[10:14]
+        row_a, row_step, n_w, nblk_v = args[:4]
+        x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[4:12]
+        out_a, out_tok, tokens_v, acc_a = args[12:16]
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
         acc_bytes = 4 * (16 + n_sub)
 
@@ -267,13 +273,17 @@ def kblock_dot(
                 builder.inttoptr(builder.add(at, I64(64)), ir.PointerType(vo)),
             )
 
-        with cgutils.for_range(builder, tokens_v) as loop:
+        with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
             a, a_o = accs(loop.index)
             builder.store(ir.Constant(v16, None), a, align=4)
             builder.store(ir.Constant(vo, None), a_o, align=4)
         with cgutils.for_range(builder, nblk_v) as loop:
             blk = loop.index
-            base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
+            w_loop = cgutils.for_range(builder, n_w)
+            w = w_loop.__enter__().index
+            base = builder.add(
+                builder.add(row_a, builder.mul(w, row_step)), builder.mul(blk, I64(block_bytes))
+            )
             d, dm, sc, mins, chunks = body(builder, base)
             if isa_name == "generic":
                 lanes = [_pick(builder, sc, w_lanes) for _, _, w_lanes in chunks]
@@ -284,9 +294,7 @@ def kblock_dot(
                 lanes = [None] * len(chunks)
 
             def isum_of(xb):
-                # two chains of integer sums (the chunks alternate), added at the end: the
-                # same integers, half the dependent latency of one chain
-                isum = [None]
+                isum = None
                 for c, (codes, (e_lo, e_hi), _) in enumerate(chunks):
                     if e_hi == e_lo + 32:  # 64 contiguous elements
                         xv = _load(builder, builder.add(xb, I64(e_lo)), _vec(I8, 64))
@@ -296,10 +304,8 @@ def kblock_dot(
                             _load(builder, builder.add(xb, I64(e_lo)), _vec(I8, 32)),
                             _load(builder, builder.add(xb, I64(e_hi)), _vec(I8, 32)),
                         )
-                    isum[0] = _scaled_lanes(
-                        builder, isa_name, codes, xv, lanes[c], pairs[c], isum[0]
-                    )
-                return builder.sitofp(isum[0], v16)
+                    isum = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c], isum)
+                return builder.sitofp(isum, v16)
 
             with cgutils.for_range(builder, tokens_v) as tok:
                 j = tok.index
@@ -326,21 +332,23 @@ def kblock_dot(
                 imin = builder.mul(mins, _load(builder, bs_j, _vec(I32, n_sub), 4))
                 f = _splat(builder, builder.fmul(d, xd_v), 16)
                 fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
-                a, a_o = accs(j)
+                a, a_o = accs(builder.add(builder.mul(w, tokens_v), j))
                 builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
                 builder.store(
                     _fma(builder, builder.sitofp(imin, vo), fm, builder.load(a_o, align=4)),
                     a_o,
                     align=4,
                 )
-        with cgutils.for_range(builder, tokens_v) as loop:
-            j = loop.index
-            a, a_o = accs(j)
+            w_loop.__exit__(None, None, None)
+        with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
+            wj = loop.index
+            a, a_o = accs(wj)
             total = builder.fadd(
                 _tree_sum(builder, builder.load(a, align=4)),
                 _tree_sum(builder, builder.load(a_o, align=4)),
             )
-            dst = builder.add(out_a, builder.mul(j, out_tok))
+            w, j = builder.udiv(wj, tokens_v), builder.urem(wj, tokens_v)
+            dst = builder.add(builder.add(out_a, builder.mul(j, out_tok)), builder.mul(w, I64(4)))
             builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
         return context.get_dummy_value()
 
@@ -383,7 +391,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     qs, ds, ss, os_ = xq.strides[0], xd.strides[0], bsum.strides[0], out.strides[0]
     n_sub = _N_SUB[kind]
     for t in numba.prange(tasks):
-        acc = np.empty(tokens * (16 + n_sub), np.float32)
+        acc = np.empty(ROW_GROUP * tokens * (16 + n_sub), np.float32)
         acc_at = acc.ctypes.data
         first = t * per
         last = min(first + per, n_rows)
@@ -391,23 +399,31 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
         while p < n_parts - 1 and first >= base + parts[p, 1]:
             base += parts[p, 1]
             p += 1
-        for n in range(first, last):
+        n = first
+        while n < last:
             if n - base == parts[p, 1]:
                 base += parts[p, 1]
                 p += 1
+            # up to ROW_GROUP consecutive rows of one part
+            group = min(ROW_GROUP, last - n, base + parts[p, 1] - n)
             row_at = parts[p, 0] + (n - base) * row_bytes
-            if n + 1 < last:
-                nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
-                prefetch(nxt, row_bytes)
+            if n + group < last:
+                if n + group - base < parts[p, 1]:
+                    nxt = row_at + group * row_bytes
+                    ahead = min(ROW_GROUP, base + parts[p, 1] - n - group)
+                else:
+                    nxt, ahead = parts[p + 1, 0], 1
+                prefetch(nxt, ahead * row_bytes)
             o_at = out_at + 4 * n
             # the second level of token t is row t + T (levels 2)
             if levels == 2:
                 kblock_dot(
-                    row_at, nblk, xq_at, qs, tokens * qs, xd_at, ds, tokens * ds, bs_at, ss,
-                    o_at, os_, tokens, acc_at, ISA, kind, 2
+                    row_at, row_bytes, group, nblk, xq_at, qs, tokens * qs, xd_at, ds,
+                    tokens * ds, bs_at, ss, o_at, os_, tokens, acc_at, ISA, kind, 2
                 )  # fmt: skip
             else:
                 kblock_dot(
-                    row_at, nblk, xq_at, qs, 0, xd_at, ds, 0, bs_at, ss,
+                    row_at, row_bytes, group, nblk, xq_at, qs, 0, xd_at, ds, 0, bs_at, ss,
                     o_at, os_, tokens, acc_at, ISA, kind, 1
                 )  # fmt: skip
+            n += group

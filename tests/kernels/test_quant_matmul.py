@@ -371,7 +371,7 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
     from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 14 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(levels)]
+    argtypes = [u] * 16 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(levels)]
     asm = _asm_for(kblock_dot, argtypes, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
