@@ -14,7 +14,9 @@ super-block is summed in integers (exact): the codes' products per 4 elements, t
 block's integer sub-block scales (folded into ``vpmaddwd`` or ``vpdpwssd`` on x86), and
 the integer offsets times the activations' integer sums; then one float32 step per block
 and row, ``llvm.fma`` by ``d * xd`` and ``dmin * xd``, and a fixed summation tree at the
-end. A projection's two levels of int8 (:func:`~kernels.quant.activations.
+end. Several weight rows go block by block together, two of them unpacked at a time,
+each token's activation vectors loaded once for both (:data:`ROW_GROUP`). A projection's
+two levels of int8 (:func:`~kernels.quant.activations.
 quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
 ``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
 Every instruction set reaches the same integers, so every path gives the same bits, and
@@ -238,9 +240,9 @@ def kblock_dot(
     (1 or 2) are compile-time; ``tokens`` is not.
 
     Each super-block is unpacked once, into registers, for all tokens (a loop over the
-    tokens inside the loop over blocks, the accumulators in ``acc``): at 16 tokens of two
-    levels, unpacking once per 4 rows of activations took twice the time (Q4_K 2048 x
-    2048, one thread). Per super-block and token, in integers (exact):
+    tokens inside the loop over blocks, the accumulators in ``acc``), two rows at a time
+    where ``n_w`` allows, so that each activation vector is loaded once for both rows (the
+    loads, not the multiplies, bound the dot products at several tokens). Per super-block and token, in integers (exact):
     ``isum = sum_s sc[s] * dot_s``, ``imin = sum_s mins[s] * bsum[s]``; then in float32
     ``acc += float(isum) * (d * xd) + float(imin) * (dm * xd)``, lane-wise with
     ``llvm.fma`` and summed by a fixed tree at the end: the same operations for a token
