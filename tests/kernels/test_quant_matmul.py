@@ -368,11 +368,18 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
 
     from numba import types
 
-    from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
+    from kernels.quant.superblock import KBLOCK_CODES, kblock_dot, kblock_pass
 
     u, lit = types.uintp, types.literal
     argtypes = [u] * 16 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(levels)]
     asm = _asm_for(kblock_dot, argtypes, cpu)
+    assert re.search(want, asm) and re.search("vpmaddubsw", asm)
+    assert not re.search(absent, asm)
+    # the unrolled passes for a few tokens (kblock_pass): 2 rows, one token's two levels
+    # paired or two tokens of one level
+    paired = [lit(levels - 1)]
+    args = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])] + paired
+    asm = _asm_for(kblock_pass, args, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
 
