@@ -354,6 +354,20 @@ class GGUFFile:
         info = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def prefault(self, chunk: int = 64 << 20) -> None:
+        """Map every page of the file into this process (and ask the kernel to read ahead
+        what is not in the page cache): weights read in place fault each page in on first
+        use, which made a model's first token the slowest (Llama-3.2-1B shape, one
+        thread: 1.27-1.57 s against 0.86-1.13 s for the next ones; with this run first,
+        the first one like the rest). Reads one byte per page, a chunk at a time, with
+        numpy (which leaves the GIL free), so it can run on a thread after loading."""
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED)
+        page = mmap.PAGESIZE
+        for at in range(0, self.file_size, chunk):
+            n = min(chunk, self.file_size - at)
+            np.frombuffer(self._map, np.uint8, count=n, offset=at)[::page].sum()
+
     def close(self) -> None:
         # Arrays handed out by tensor_bytes keep the mapping alive; closing would crash them.
         self._file.close()

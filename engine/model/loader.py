@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,6 +299,9 @@ def _load_gguf(
     names = GGUF_GEMMA_NAMES if config.arch == "gemma3" else GGUF_NAMES
     layers = _build_layers(config, names, norm, linear, report)
     if weight_mode == "native":
+        # the weights are read in place: their pages mapped on a thread, not by the first
+        # token (GGUFFile.prefault)
+        threading.Thread(target=gf.prefault, name="folio-prefault", daemon=True).start()
         embedding = BlockEmbedding(block_weight("token_embd.weight"))
         lm_head = (
             linear("output") if "output.weight" in gf.tensors else BlockLinear([embedding.weight])

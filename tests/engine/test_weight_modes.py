@@ -3,6 +3,7 @@ app shows these figures before the user switches) against what loading then keep
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -41,3 +42,33 @@ def test_modes_cost_in_the_order_the_app_lists_them(q4_k_m_file):
 def test_int4_is_not_estimated():
     with pytest.raises(ValueError, match="int4"):
         resident_weight_bytes([("token_embd.weight", (8, 32), 64)], "int4")
+
+
+def _mapping_rss(address: int) -> int | None:
+    """Resident bytes of the mapping starting at ``address`` (/proc/self/smaps), or None
+    where there is no such file."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+            inside = int(head[0].split("-")[0], 16) == address
+        elif inside and line.startswith("Rss:"):
+            return int(head[1]) * 1024
+    return None
+
+
+def test_prefault_maps_every_page_of_the_file(q4_k_m_file):
+    """GGUFFile.prefault (run on a thread by native loading) leaves the whole file mapped
+    into the process, so the first token does not fault the weights in."""
+    gf = GGUFFile(q4_k_m_file)
+    address = np.frombuffer(gf._map, np.uint8).ctypes.data
+    before = _mapping_rss(address)
+    if before is None:
+        pytest.skip("no /proc/self/smaps on this system")
+    gf.prefault()
+    size = q4_k_m_file.stat().st_size
+    assert _mapping_rss(address) >= size - 4096 > before

@@ -358,21 +358,28 @@ _SUPERBLOCK_CPUS = [
 ]
 
 
-@pytest.mark.parametrize("paired", [0, 1])
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("isa", "cpu", "want", "absent"), _SUPERBLOCK_CPUS)
-def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, paired):
-    """The in-register super-block kernels (superblock.py) on each ISA path, one row
-    per output or the two levels of a token paired."""
+def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels):
+    """The in-register super-block kernels (superblock.py) on each ISA path, one level
+    of int8 activations or two paired."""
     import re
 
     from numba import types
 
-    from kernels.quant.superblock import KBLOCK_CODES, kblock_dot
+    from kernels.quant.superblock import KBLOCK_CODES, kblock_dot, kblock_pass
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(paired)]
+    argtypes = [u] * 16 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(levels)]
     asm = _asm_for(kblock_dot, argtypes, cpu)
+    assert re.search(want, asm) and re.search("vpmaddubsw", asm)
+    assert not re.search(absent, asm)
+    # the unrolled passes for a few tokens (kblock_pass): 2 rows, one token's two levels
+    # paired or two tokens of one level
+    paired = [lit(levels - 1)]
+    args = [u] * 12 + [lit(2), lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])] + paired
+    asm = _asm_for(kblock_pass, args, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
 
