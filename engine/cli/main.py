@@ -286,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
             "the desktop app is started by folio.main, not by the engine's command line"
         )
     try:
-        if hasattr(args, "device"):  # before the model is read or fetched: fail fast
+        # Before the model is read or fetched: fail fast. (`models files --device` names
+        # the device a download's fit is priced for, a GPU this machine may not have.)
+        if hasattr(args, "device") and args.command != "models":
             from engine.device import resolve_device
 
             args.device = resolve_device(args.device)
