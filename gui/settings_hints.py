@@ -19,14 +19,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import fmean
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.units import format_bytes
 
 if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
-    from gui.settings_dialog import EngineSettings
+
+
+class EngineSettings(Protocol):
+    """What the hints read of the dialog's settings (gui.settings_dialog.EngineSettings,
+    which imports this module)."""
+
+    page_size: int
+    budget_unit: str
+    budget: int
+    k_bits: int | None
+    v_bits: int | None
+    disk_cache: bool
+
+    def disk_location(self) -> Path: ...
+
+    def needs_rebuild(self, other: EngineSettings) -> bool: ...
+
+    def needs_reload(self, other: EngineSettings) -> bool: ...
 
 MB = 1 << 20
 SMALLEST_PAGE, LARGEST_PAGE = 16, 1024  # the dialog's page sizes
