@@ -223,7 +223,11 @@ def test_event_loop_latency_with_four_chats(qtbot, window, capsys, record_proper
     The first second is warm-up and left out of the max: the four new chats' first
     bubbles, legend entries and tree nodes are created then, once per chat, not per
     token. Every later tick counts, including the last ones, when the jobs finish."""
-    configure(window, max_new_tokens=80, temperature=0.7)
+    # Seeded long replies, so the chats generate for seconds however fast the engine is
+    # (80-token poems at a free temperature ended within two seconds at times).
+    view = window.chat_view
+    view.settings.load(SYSTEM, {"temperature": 0.7, "max_new_tokens": 240, "seed": 7})
+    view.save_settings()
     chats = [window.chat_view.conversation_id] + [window.new_conversation() for _ in range(3)]
     ticks: list[tuple[float, float]] = []  # (seconds since start, lateness in ms)
     start = [0.0]
@@ -258,7 +262,7 @@ def test_event_loop_latency_with_four_chats(qtbot, window, capsys, record_proper
     timer.timeout.connect(probe)
     for i, cid in enumerate(chats):
         window.select_conversation(cid)
-        window.chat_view.input.setPlainText(f"Write a short poem about the number {i + 1}.")
+        window.chat_view.input.setPlainText(f"Tell a long story about the number {i + 1}.")
         window.chat_view.send()
     batch_sizes: list[int] = []
     window.bridge.snapshot_ready.connect(
