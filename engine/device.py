@@ -178,3 +178,4 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DEVICE,
         help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N (default: auto)",
     )
+    parser.set_defaults(resolve_device=True)  # engine.cli.main resolves it before loading

@@ -286,9 +286,10 @@ def run(args: argparse.Namespace) -> int:
             "the desktop app is started by folio.main, not by the engine's command line"
         )
     try:
-        # Before the model is read or fetched: fail fast. (`models files --device` names
-        # the device a download's fit is priced for, a GPU this machine may not have.)
-        if hasattr(args, "device") and args.command != "models":
+        # Before the model is read or fetched: fail fast. Only commands that run a model
+        # (add_device_option); `models files --device` names where a download's fit is
+        # priced, a GPU this machine may not have.
+        if getattr(args, "resolve_device", False):
             from engine.device import resolve_device
 
             args.device = resolve_device(args.device)
