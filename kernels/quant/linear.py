@@ -10,8 +10,10 @@ Which kernel runs depends on the number of rows only (never on what else is in t
 batch): up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows, the integer decode
 kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
 the k-quant super-block kernels), whose row ``b``
-depends on input row ``b`` alone; above, float32 tiles dequantized into a reused buffer
-and torch's GEMM.
+depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the same kernel
+:data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows at a time (so a prompt's rows equal
+what decoding them one by one gives), the other types float32 tiles dequantized into a
+reused buffer and torch's GEMM.
 """
 
 from __future__ import annotations
@@ -122,30 +124,42 @@ class BlockLinear(PartsLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= DECODE_MAX_ROWS:
-            return self._decode(x)
-        else:
-            # float32 tiles: exact products of the dequantized weights (bf16 tiles round
-            # every output to 8 bits of mantissa: SmolLM2's argmax then moved at 2% of
-            # the positions of a 512-token text, against none in float32)
-            outs = [
-                _float_part(x, p) if p.is_float else prefill_matmul(x, p, dtype=torch.float32)
-                for p in self.parts
-            ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Two levels of int8 activations; each group of parts in one kernel call that
-        writes its columns of the output (the levels summed in the kernel), the other
-        parts one call each."""
-        rows = x.shape[0]
         out = np.empty((rows, self.out_features), np.float32)
+        if rows <= DECODE_MAX_ROWS:
+            self._decode(x, out, self._groups, self._per32)
+            return torch.from_numpy(out)
+        # Q4_K / Q6_K: the decode kernel, DECODE_MAX_ROWS rows a call; each row comes out
+        # as decoding it alone would, and sooner than from float32 tiles (where the
+        # dequantized tile costs more than the integer dots it replaces)
+        fused = [g for g in self._groups if g.table is not None]
+        for i in range(0, rows if fused else 0, DECODE_MAX_ROWS):
+            self._decode(x[i : i + DECODE_MAX_ROWS], out[i : i + DECODE_MAX_ROWS], fused, False)
+        # the other types: float32 tiles, exact products of the dequantized weights (bf16
+        # tiles round every output to 8 bits of mantissa: SmolLM2's argmax then moved at
+        # 2% of the positions of a 512-token text, against none in float32)
+        for group in self._groups:
+            if group.table is None:
+                (part,) = group.parts
+                cols = out[:, group.first : group.first + group.columns]
+                cols[:] = (
+                    _float_part(x, part)
+                    if part.is_float
+                    else prefill_matmul(x, part, dtype=torch.float32)
+                ).numpy()
+        return torch.from_numpy(out)
+
+    def _decode(self, x: torch.Tensor, out: np.ndarray, groups: list[_Group], per32: bool) -> None:
+        """``groups``' columns of ``out`` from two levels of int8 activations (per 32 as
+        well as per 256 when ``per32``): each group of parts in one kernel call that
+        writes its columns (the levels summed in the kernel), the other parts one call
+        each."""
+        rows = x.shape[0]
         act = (
             two_level_activations(x.numpy())
-            if self._per32
+            if per32
             else quantize_super_blocks(x.numpy(), levels=2)
         )
-        for group in self._groups:
+        for group in groups:
             cols = out[:, group.first : group.first + group.columns]
             if group.table is not None:
                 ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
@@ -159,7 +173,6 @@ class BlockLinear(PartsLinear):
             else:
                 y = decode_matmul(act, part)
                 np.add(y[:rows], y[rows:], out=cols)
-        return torch.from_numpy(out)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.quant import DECODE_MAX_ROWS, QuantWeight, decode_matmul, quantize_activations
+from kernels.quant import (
+    DECODE_MAX_ROWS,
+    QuantWeight,
+    decode_matmul,
+    prefill_matmul,
+    quantize_activations,
+)
 from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
@@ -123,6 +129,13 @@ def test_consecutive_super_block_parts_are_one_call():
         act = two_level_activations(x.numpy())
         y = decode_matmul(act, parts[3])
         assert torch.equal(alone[:, 144:224], torch.from_numpy(y[:b] + y[b:]))
+    # a prompt's rows: the super-block runs through the decode kernel, DECODE_MAX_ROWS
+    # rows a call (row by row the same bits), the Q8_0 part through float32 tiles
+    x = torch.randn(2 * DECODE_MAX_ROWS + 3, K)
+    got = lin(x)
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(got[:, :144], rows[:, :144]) and torch.equal(got[:, 224:], rows[:, 224:])
+    assert torch.equal(got[:, 144:224], prefill_matmul(x, parts[3], dtype=torch.float32))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])
@@ -152,8 +165,13 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     scale = (x.abs().double() @ full.abs().double().T)[:, perm].float()
     decode = lin(x[:7])
     assert ((decode - exact[:7]).abs() / scale[:7]).max() < 1e-4
-    prefill = lin(x)  # more rows than the decode kernel takes: float32 tiles
-    assert ((prefill - exact).abs() / scale).max() < 1e-5
+    prefill = lin(x)  # more rows than one decode call takes
+    if all(p.kind.decode_parts is not None for p in parts):
+        # Q4_K / Q6_K: the decode kernel in chunks, each row as decoding it alone gives
+        assert torch.equal(prefill, torch.cat([lin(x[i : i + 1]) for i in range(len(x))]))
+        assert ((prefill - exact).abs() / scale).max() < 1e-4
+    else:  # float32 tiles
+        assert ((prefill - exact).abs() / scale).max() < 1e-5
     if not any(p.is_float for p in parts):  # torch's GEMM (float parts) promises no such thing
         for b in (1, 2, 5):
             assert torch.equal(lin(x[:b]), decode[:b])
