@@ -204,12 +204,18 @@ def test_quantized_pages_on_the_gpu(on_gpu):
     assert len(result.token_ids[0]) == 10
 
 
-def test_graph_replay_equals_eager(on_gpu):
+@pytest.mark.parametrize("bits", [None, 4], ids=["fp16", "k4v4"])
+def test_graph_replay_equals_eager(on_gpu, bits):
+    """fp16 pages, and quantized K and V (codes, steps, minima, and the key offset tables
+    reserved up front) replayed from the same graph as eager computes them."""
     from engine.cache.kv_cache import StepBatch
+    from engine.model.calibration import calibrate_keys
     from engine.model.decode_graphs import DecodeGraphs
     from engine.model.runner import SequenceRunner
 
-    cache = KVCache.for_model(on_gpu, CacheSettings(page_size=16, token_budget=1024))
+    settings = CacheSettings(page_size=16, token_budget=1024, k_bits=bits, v_bits=bits)
+    calibration = calibrate_keys(on_gpu, count=64) if bits else None
+    cache = KVCache.for_model(on_gpu, settings, calibration)
     graphs = DecodeGraphs(on_gpu.model, cache)
     runners = [SequenceRunner(on_gpu, cache, random_ids(n, n), 8, job_id=n) for n in (70, 5, 33)]
     for r in runners:
