@@ -281,6 +281,9 @@ class KVCache:
     def _layer_kv(self, layer: int, batch: StepBatch) -> LayerKV:
         """Layer ``layer``'s pages for attention, the key offset's table (if any) covering
         every position of ``batch``."""
+        copies = self.storage.copies
+        if copies is not None and copies.pending:
+            self.await_copies(batch)
         if self.calibration is not None and batch is not self._covered:
             need = _longest_context(batch)
             have = self.key_offset_positions
@@ -290,6 +293,20 @@ class KVCache:
                 self._grow_offsets(need, max(need, 2 * have, 256))
             self._covered = batch
         return self._layers[layer]
+
+    def await_copies(self, batch: StepBatch) -> None:
+        """Before a forward over ``batch``: the compute stream waits for the host tier's
+        copies (on a CUDA pool, engine/cache/tier_copies.py) of the pages the batch reads or
+        writes, those in its host block tables; without them (a prefill), for every copy.
+        Others keep running beside the forward. Nothing to do on the CPU."""
+        copies = self.storage.copies
+        if copies is None or not copies.pending:
+            return
+        if batch.host is None:
+            copies.await_pages(None)
+            return
+        tables = batch.host[0]
+        copies.await_pages(np.unique(tables[tables >= 0]).tolist())
 
     @property
     def key_offset_positions(self) -> int:

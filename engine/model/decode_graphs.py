@@ -79,6 +79,7 @@ class DecodeGraphs:
         if fresh:
             static = self._sizes[size] = self._buffers(size)
         self._fill(static, tokens, batch)
+        self.cache.await_copies(batch)  # a replay runs no Python: wait for tier copies here
         if not self.capture:
             return self.model.forward(static.tokens, static.batch, self.cache)
         if fresh:
