@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +121,15 @@ def device_label(device: torch.device) -> str:
 
 
 @dataclass(frozen=True)
+class MemoryPart:
+    """One share of a GPU's memory, as the memory panel draws it."""
+
+    name: str
+    size: int  # bytes
+    what: str  # where the figure comes from, for a tooltip
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """A GPU's memory as torch sees it, in bytes: the driver's total and free
     (``torch.cuda.mem_get_info``), and what torch's allocator holds in tensors
@@ -130,6 +139,33 @@ class DeviceMemory:
     free: int
     allocated: int
     reserved: int
+    name: str = ""  # the GPU's name, "" when not known
+
+    def parts(self, weights: int, kv: int) -> tuple[MemoryPart, ...]:
+        """The device's memory split into what holds it, in drawing order; the sizes add
+        up to ``total`` when the figures agree (weights and KV within ``allocated``)."""
+        return (
+            MemoryPart("weights", weights, "the model's tensors on the GPU"),
+            MemoryPart("KV pages", kv, "the KV cache's page pool"),
+            MemoryPart(
+                "other",
+                max(0, self.allocated - weights - kv),
+                "other torch tensors: activations, CUDA-graph pools, kernels' scratch"
+                " (torch.cuda.memory_allocated less weights and KV pages)",
+            ),
+            MemoryPart(
+                "allocator reserve",
+                max(0, self.reserved - self.allocated),
+                "held by torch's caching allocator but in no tensor, reused without asking"
+                " the driver (torch.cuda.memory_reserved less memory_allocated)",
+            ),
+            MemoryPart(
+                "outside torch",
+                max(0, self.total - self.free - self.reserved),
+                "the CUDA context, compiled kernels and other processes on this GPU",
+            ),
+            MemoryPart("free", self.free, "free on the GPU (torch.cuda.mem_get_info)"),
+        )
 
     def describe(self, weights: int, kv: int) -> str:
         """The status bar's words: weights, KV pages, the allocator's reserve beyond
@@ -139,12 +175,19 @@ class DeviceMemory:
         def size(n: int) -> str:
             return format_bytes(n, binary=True)
 
-        other = max(0, self.allocated - weights - kv)
-        reserve = self.reserved - self.allocated
+        part = {p.name: p.size for p in self.parts(weights, kv)}
         return (
-            f"VRAM: weights {size(weights)} · KV {size(kv)} · other {size(other)}"
-            f" · allocator reserve {size(reserve)} · free {size(self.free)} of {size(self.total)}"
+            f"VRAM: weights {size(weights)} · KV {size(kv)} · other {size(part['other'])}"
+            f" · allocator reserve {size(part['allocator reserve'])}"
+            f" · free {size(self.free)} of {size(self.total)}"
         )
+
+
+class DeviceMemorySource(Protocol):
+    """Reads a device's memory: :func:`device_memory` for the real GPU; a test hands the
+    memory panel one that returns figures of its own (no GPU needed)."""
+
+    def __call__(self, device: torch.device | str) -> DeviceMemory | None: ...
 
 
 def device_memory(device: torch.device | str) -> DeviceMemory | None:
@@ -160,6 +203,7 @@ def device_memory(device: torch.device | str) -> DeviceMemory | None:
         free=int(free),
         allocated=int(torch.cuda.memory_allocated(device)),
         reserved=int(torch.cuda.memory_reserved(device)),
+        name=torch.cuda.get_device_name(device),
     )
 
 

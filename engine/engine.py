@@ -106,6 +106,11 @@ class EngineSnapshot:
     job_tags: dict[int, Any]  # job id -> the caller's tag
     cache_bytes: int
     host_bytes: int
+    # Where the KV pages (and the weights, `weight_bytes` of them) live: "cpu", "cuda:0";
+    # "" when not known (a remote engine). On a GPU the memory panel adds the device's
+    # memory to these figures (gui/views/device_memory.py).
+    device: str = ""
+    weight_bytes: int = 0
     # What a reader should know of this snapshot's limits: "" for a local engine; for a
     # remote one, what its source (KV events, metrics) cannot say (engine/remote/).
     note: str = ""
@@ -167,6 +172,7 @@ class Engine:
         self.cache = KVCache.for_model(
             loaded, cache_settings, calibration_for(loaded, cache_settings)
         )
+        self._weight_bytes = loaded.weight_bytes  # summed once: the snapshots repeat it
         self.telemetry = Telemetry(history=telemetry_history)
         self.generator = Generator(loaded, self.cache, settings, self.telemetry)
         self.snapshot_interval = snapshot_interval
@@ -454,6 +460,8 @@ class Engine:
             job_tags={info.job_id: info.tag for info in jobs},
             cache_bytes=self.cache.nbytes(),
             host_bytes=host.nbytes() if host is not None else 0,
+            device=str(self.cache.device),
+            weight_bytes=self._weight_bytes,
         )
         self._snapshot.publish(snapshot)
         self._last_publish = snapshot.time

@@ -46,6 +46,7 @@ class EngineSettings(Protocol):
 
     def needs_reload(self, other: EngineSettings) -> bool: ...
 
+
 MB = 1 << 20
 SMALLEST_PAGE, LARGEST_PAGE = 16, 1024  # the dialog's page sizes
 LONG_PROMPT = 256  # from here on a quarter of the prompt is at least 64 tokens

@@ -356,8 +356,10 @@ class KeyOffset:
         and ``sin_p`` repeat over the two halves of the head, each half-pair folds into one
         term: ``z = [u_lo + u_hi, w_lo + w_hi]`` with ``u = q * mu``, ``w = q * rotate_half(mu)``.
         """
-        group = q.shape[-2] // self.mean.shape[0]
-        mu = self.mean.repeat_interleave(group, 0)
+        kv_heads, head_dim = self.mean.shape
+        group = q.shape[-2] // kv_heads
+        # repeat_interleave by views: nothing here may wait on the device (CUDA graphs)
+        mu = self.mean.unsqueeze(1).expand(kv_heads, group, head_dim).reshape(-1, head_dim)
         half = mu.shape[-1] // 2
         u = q.float() * mu
         w = q.float() * _rotate_half(mu)

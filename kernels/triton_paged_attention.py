@@ -263,10 +263,13 @@ def triton_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     decode: bool = False,
+    longest: int | None = None,
 ) -> torch.Tensor:
     """Paged attention in one Triton launch; see the module docstring. ``decode``: the
     caller knows every ``q_lens`` is 1, so the work list (one item per sequence) is made
-    without reading ``q_lens`` back: no host round trip, and capturable in a CUDA graph."""
+    without reading ``q_lens`` back: no host round trip, and capturable in a CUDA graph.
+    ``longest``: ``seq_lens.max()`` when the caller knows it on the host (the key offset
+    table is checked against it without reading ``seq_lens`` back, the same reason)."""
     total_q, n_heads, head_dim = q.shape
     device = q.device
     k_offset = kv.k_offset
@@ -280,7 +283,7 @@ def triton_paged_attention(
     if k_offset is None:
         zq, table = qf, qf  # not read: HAS_OFFSET is off
     else:
-        if k_offset.table.shape[0] < int(seq_lens.max()):
+        if k_offset.table.shape[0] < (int(seq_lens.max()) if longest is None else longest):
             raise ValueError("the key offset table does not cover the longest context")
         zq = k_offset.query_terms(q).to(device).contiguous()
         table = k_offset.table.to(device=device, dtype=torch.float32).contiguous()

@@ -6,7 +6,9 @@ the slot back and the entry stays. Its own eviction follows §4's order; the ord
 built once and consumed front to back, rebuilt only when it runs out or recency
 changed, so a prompt longer than the tier always terminates (ExLlamaV3 reset its
 deferred counter on every rebuild and could loop forever).
-On a CPU-only machine the device pool and the tier are both RAM: it still works.
+On a CPU-only machine the device pool and the tier are both RAM: it still works. With
+the pool on a CUDA GPU the slots are pinned RAM and the copies run on a side stream,
+waited for only by what touches their pages or slots (engine/cache/tier_copies.py).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from engine.cache.eviction import EvictionPolicy, eviction_order
 from engine.cache.page import PageState, Tier
 from engine.cache.storage import PagedKVStorage, host_mirror
+from engine.cache.tier_copies import TierCopies
 
 
 @dataclass(eq=False)
@@ -56,15 +58,19 @@ class HostTier:
         layout: PagedKVStorage,
         pin_memory: bool | None = None,
         policy: EvictionPolicy = EvictionPolicy.TAIL_FIRST,
+        copies: TierCopies | None = None,
     ):
-        """``layout`` is the device pool whose format (K and V) the slots copy. Slots
-        are CPU tensors, pinned when CUDA is there (``pin_memory`` overrides)."""
+        """``layout`` is the device pool whose format (K and V) the slots copy, and the
+        pool the tier copies to and from. Slots are CPU tensors, pinned when the pool is
+        on a CUDA device (``pin_memory`` overrides). ``copies``: how the tier's copies run
+        and are waited for (default: on a side stream for a CUDA pool; a test passes fake
+        streams)."""
         self.page_size = layout.page_size
         per_page = layout.bytes_per_page
         num_slots = byte_budget // per_page
         if num_slots < 1:
             raise ValueError(f"host tier budget {byte_budget} B holds no page of {per_page} B")
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        pin = layout.device.type == "cuda" if pin_memory is None else pin_memory
         self.storage = PagedKVStorage(
             layout.num_layers,
             num_slots,
@@ -73,6 +79,9 @@ class HostTier:
             host_mirror(layout.v_allocator, pin),
         )
         self.num_slots = num_slots
+        # the pool's own copies (copy-on-write, defragmentation, disk reads) wait for these
+        self.copies = copies or TierCopies.for_pool(layout.page_tensors())
+        layout.copies = self.copies
         self.policy = policy
         self.slots: list[TierEntry | None] = [None] * num_slots
         self.entries: dict[bytes, TierEntry] = {}
@@ -123,7 +132,7 @@ class HostTier:
             slot = self._evict_one(frozenset(protected), allow_protected=h in protected)
             if slot is None:
                 return False
-        self.storage.copy_page_between(source, page, slot)
+        self.copies.copy(lambda: self.storage.copy_page_between(source, page, slot), page, slot)
         entry = TierEntry(slot, h, parent_hash, list(tokens), self._tick(), self.page_size)
         self.slots[slot] = entry
         self.entries[h] = entry
@@ -133,7 +142,9 @@ class HostTier:
     def restore(self, h: bytes, target: PagedKVStorage, page: int) -> TierEntry:
         """Copy the entry for ``h`` into device page ``page``; the entry stays."""
         entry = self.entries[h]
-        target.copy_page_between(self.storage, entry.index, page)
+        self.copies.copy(
+            lambda: target.copy_page_between(self.storage, entry.index, page), page, entry.index
+        )
         entry.access_serial = self._tick()
         self._victims.stale = True
         self.restores += 1
@@ -161,6 +172,7 @@ class HostTier:
             q.position += 1
             break
         if self.on_evict is not None:
+            self.copies.await_slot(slot)
             self.on_evict(entry.hash, entry.parent_hash, self.storage.read_page(slot))
         del self.entries[entry.hash]
         self.slots[slot] = None
@@ -194,4 +206,6 @@ class HostTier:
         return HostTierSnapshot(state, serial, prefix)
 
     def read_slot(self, h: bytes) -> bytes:
-        return self.storage.read_page(self.entries[h].index)
+        slot = self.entries[h].index
+        self.copies.await_slot(slot)
+        return self.storage.read_page(slot)

@@ -124,6 +124,12 @@ class StepBatch:
         )
 
 
+def _longest_context(batch: StepBatch) -> int:
+    """The longest context of ``batch``, from its host copy where it has one (a decode
+    step: no device round trip, so a CUDA graph can capture the step)."""
+    return int(batch.host[1].max()) if batch.host is not None else int(batch.seq_lens.max())
+
+
 def _dense_bits(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
@@ -206,6 +212,7 @@ class KVCache:
             for i in range(num_layers)
         ]
         self._covered: StepBatch | None = None  # the last batch the offset tables cover
+        self._offsets_fixed = False  # reserve_key_offsets: the tables never move again
         self.disk = (
             DiskTier(
                 store_dir(settings.disk_dir, self.fingerprint),
@@ -274,19 +281,58 @@ class KVCache:
     def _layer_kv(self, layer: int, batch: StepBatch) -> LayerKV:
         """Layer ``layer``'s pages for attention, the key offset's table (if any) covering
         every position of ``batch``."""
+        copies = self.storage.copies
+        if copies is not None and copies.pending:
+            self.await_copies(batch)
         if self.calibration is not None and batch is not self._covered:
-            need = int(batch.host[1].max()) if batch.host is not None else int(batch.seq_lens.max())
-            offset = self._layers[0].k_offset
-            have = 0 if offset is None else offset.table.shape[0]
+            need = _longest_context(batch)
+            have = self.key_offset_positions
             if need > have:
                 # grown like the model's rope tables: doubling, so a long generation
                 # rebuilds them a logarithmic number of times
-                offsets = self._build_offsets(max(need, 2 * have, 256))
-                self._layers = [
-                    dataclasses.replace(kv, k_offset=o) for kv, o in zip(self._layers, offsets)
-                ]
+                self._grow_offsets(need, max(need, 2 * have, 256))
             self._covered = batch
         return self._layers[layer]
+
+    def await_copies(self, batch: StepBatch) -> None:
+        """Before a forward over ``batch``: the compute stream waits for the host tier's
+        copies (on a CUDA pool, engine/cache/tier_copies.py) of the pages the batch reads or
+        writes, those in its host block tables; without them (a prefill), for every copy.
+        Others keep running beside the forward. Nothing to do on the CPU."""
+        copies = self.storage.copies
+        if copies is None or not copies.pending:
+            return
+        if batch.host is None:
+            copies.await_pages(None)
+            return
+        tables = batch.host[0]
+        copies.await_pages(np.unique(tables[tables >= 0]).tolist())
+
+    @property
+    def key_offset_positions(self) -> int:
+        """Positions the key offset tables cover now (0 without a key offset)."""
+        offset = self._layers[0].k_offset
+        return 0 if offset is None else offset.table.shape[0]
+
+    def reserve_key_offsets(self, positions: int) -> None:
+        """Build the key offset tables for ``positions`` now, and never again: a CUDA graph
+        (engine/model/decode_graphs.py) reads them where they were when it was captured,
+        so a longer context is then an error, not a reallocation. Nothing without a key
+        offset (K unquantized)."""
+        if self.calibration is None:
+            return
+        if positions > self.key_offset_positions:
+            self._grow_offsets(positions, positions)
+        self._offsets_fixed = True
+
+    def _grow_offsets(self, need: int, positions: int) -> None:
+        if self._offsets_fixed:
+            raise ValueError(
+                f"a context of {need} positions is beyond the {self.key_offset_positions} "
+                "the key offsets were reserved for (CUDA graphs read them in place)"
+            )
+        offsets = self._build_offsets(positions)
+        self._layers = [dataclasses.replace(kv, k_offset=o) for kv, o in zip(self._layers, offsets)]
 
     def _build_offsets(self, positions: int) -> list[KeyOffset]:
         tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inv_freq, table): one per rope
@@ -332,6 +378,7 @@ class KVCache:
                 scale,
                 sliding_window,
                 decode=True,
+                longest=_longest_context(batch),
             )
         return paged_attention(
             q, kv, batch.block_tables, batch.seq_lens, batch.q_lens, scale, sliding_window

@@ -12,9 +12,13 @@ codes and every per-group fp16 parameter.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from engine.cache.tier_copies import TierCopies
 
 PageTensors = dict[str, torch.Tensor]
 Allocator = Callable[[int, int], PageTensors]
@@ -93,6 +97,9 @@ class PagedKVStorage:
                 )
         # Copies done since construction, in page units (one page of every tensor).
         self.page_copies = 0
+        # The host tier's copies to and from this pool (set by the tier): this pool's own
+        # copies and reads wait for those of the same pages.
+        self.copies: TierCopies | None = None
 
     # -- sizing --------------------------------------------------------------------
 
@@ -161,10 +168,15 @@ class PagedKVStorage:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} outside 0..{self.num_pages - 1}")
 
+    def _await_copies(self, pages: Sequence[int]) -> None:
+        if self.copies is not None:
+            self.copies.await_pages(pages)
+
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one whole page (every layer, K and V, every tensor)."""
         self._check(src)
         self._check(dst)
+        self._await_copies((src, dst))
         for t in self._all_tensors():
             t[dst].copy_(t[src])
         self.page_copies += 1
@@ -175,6 +187,7 @@ class PagedKVStorage:
         self._check(dst)
         if not 0 <= n <= self.page_size:
             raise ValueError(f"row count {n} outside 0..{self.page_size}")
+        self._await_copies((src, dst))
         for t in self._all_tensors():
             t[dst, :n].copy_(t[src, :n])
         self.page_copies += 1
@@ -195,6 +208,7 @@ class PagedKVStorage:
         (the last one to cycle[0]), with one scratch page: len(cycle) + 1 copies."""
         if len(cycle) < 2:
             return 0
+        self._await_copies(cycle)
         scratch = [t for layer in self._scratch for _, t in sorted(layer.items())]
         tensors = self._all_tensors()
         # _all_tensors lists K layers then V layers; the scratch list has the same layout.
@@ -216,6 +230,7 @@ class PagedKVStorage:
     def read_page(self, page: int, rows: int | None = None) -> bytes:
         """Snapshot of a page's bytes (first ``rows`` rows if given), comparable in tests."""
         self._check(page)
+        self._await_copies((page,))
         n = self.page_size if rows is None else rows
         return b"".join(
             t[page, :n].contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -226,6 +241,7 @@ class PagedKVStorage:
         """Fill a whole page from bytes laid out as `read_page` returns them (the disk
         tier's records, read in place). ValueError when the length is not one page's."""
         self._check(page)
+        self._await_copies((page,))
         tensors = self._all_tensors()
         sizes = [t[page].numel() * t.element_size() for t in tensors]
         if len(data) != sum(sizes):

@@ -12,8 +12,13 @@ What makes the forward capturable (no host synchronisation, no tensor whose size
 on device data): the rotary tables grown up front to the cache's capacity and sized from
 the batch's host arrays (`Transformer.forward`), the embedding's bounds check skipped
 while capturing (sampled tokens are in range), and the Triton attention kernel's decode
-work list built without a device round trip (`kernels.triton_paged_attention`).
-Quantized K caches (their key-offset tables grow with the context) run eager.
+work list built without a device round trip (`kernels.triton_paged_attention`). A
+quantized K cache's pages have more tensors (codes, scales, minima), all allocated once
+with the cache, so the graph reads them in place like fp16 pages; what grew with the
+context were its key offset tables (keys are stored relative to ``R(p) mu``), and those
+are now built to the same capacity up front (`KVCache.reserve_key_offsets`), as are the
+rotary tables. The attention kernel checks those tables against the batch's longest
+context from its host copy, not by reading the sequence lengths back.
 
 ``capture=False`` runs the same buffers eagerly: how the CPU tests check the buffer
 plumbing without a GPU. Replay equals eager bit for bit on the GPU: tests/engine/test_cuda.py.
@@ -45,8 +50,6 @@ class DecodeGraphs:
     """Decode forwards of ``model`` on ``cache`` replayed from CUDA graphs."""
 
     def __init__(self, model, cache: KVCache, capture: bool = True):
-        if cache.calibration is not None:
-            raise ValueError("a quantized K cache's key offsets grow with the context: run eager")
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -57,13 +60,14 @@ class DecodeGraphs:
         top = torch.tensor([capacity - 1], device=self.device)
         model.rope.tables(top, capacity)
         model.rope_local.tables(top, capacity)
+        cache.reserve_key_offsets(capacity)  # and a quantized K cache's key offsets
         self._sizes: dict[int, _Static] = {}
         self._pool = None  # the graphs' shared memory pool
         self.failure: str | None = None  # why capturing failed (then every step is eager)
 
     @staticmethod
     def supports(cache: KVCache) -> bool:
-        return cache.device.type == "cuda" and cache.calibration is None
+        return cache.device.type == "cuda"
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Logits ``[B, vocab]`` of a decode step (every sequence one token)."""
@@ -75,6 +79,7 @@ class DecodeGraphs:
         if fresh:
             static = self._sizes[size] = self._buffers(size)
         self._fill(static, tokens, batch)
+        self.cache.await_copies(batch)  # a replay runs no Python: wait for tier copies here
         if not self.capture:
             return self.model.forward(static.tokens, static.batch, self.cache)
         if fresh:

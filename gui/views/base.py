@@ -5,9 +5,9 @@ prefix tree draw in."""
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QFontMetrics
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
+from PySide6.QtGui import QFontMetrics, QHelpEvent
+from PySide6.QtWidgets import QLabel, QToolTip, QVBoxLayout, QWidget
 
 from gui.palette import ChatColors, Palette, palette_for
 
@@ -73,3 +73,14 @@ def _fixed_caption(parent: QWidget) -> QLabel:
     caption.setFixedHeight(2 * QFontMetrics(caption.font()).lineSpacing() + 2)
     caption.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
     return caption
+
+
+def show_region_tooltip(widget: QWidget, ev: QEvent, regions: list[tuple[QRectF, str]]) -> bool:
+    """For a widget that paints itself: on a tooltip event, show the tip of the region
+    under the pointer. True when one was shown (the event is handled)."""
+    if ev.type() == QEvent.Type.ToolTip and isinstance(ev, QHelpEvent):
+        for rect, tip in regions:
+            if rect.contains(QPointF(ev.pos())):
+                QToolTip.showText(ev.globalPos(), tip, widget)
+                return True
+    return False

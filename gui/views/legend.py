@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QHelpEvent, QPainter, QPen, QPolygonF
-from PySide6.QtWidgets import QSizePolicy, QToolTip
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen, QPolygonF
+from PySide6.QtWidgets import QSizePolicy
 
 from gui.palette import Palette, blend, is_api
-from gui.views.base import ChatColoredView
+from gui.views.base import ChatColoredView, show_region_tooltip
 
 _SWATCH = 12  # px, a page cell as the map draws it
 _GAP = 4  # swatch to word
@@ -66,6 +66,7 @@ class LegendBar(ChatColoredView):
     def _build(self) -> None:
         self._active: list[Any] = []
         self._counts: dict[str, int] = {}
+        self._gpu = False
         self._entries: list[LegendEntry] = []
         self._hit: list[tuple[QRectF, str]] = []  # where each entry was drawn, for tooltips
         self._font = QFont(self.font())
@@ -102,18 +103,35 @@ class LegendBar(ChatColoredView):
             self._counts = dict(counts)
             self._rebuild()
 
-    def _counted(self, word: str) -> str:
+    def set_on_gpu(self, gpu: bool) -> None:
+        """Pages on a GPU: the tips say VRAM, and the host tier is named as host RAM."""
+        if gpu != self._gpu:
+            self._gpu = gpu
+            self._rebuild()
+
+    def _counted(self, word: str, shown: str | None = None) -> str:
+        """``shown`` (default ``word``) with the count of ``word``'s pages, if any."""
+        shown = shown or word
         n = self._counts.get(word)
-        return word if n is None else f"{word} {n:,}"
+        return shown if n is None else f"{shown} {n:,}"
 
     def _rebuild(self) -> None:
         pal = self.palette_
+        vram = " (in VRAM)" if self._gpu else ""
+        host = "host tier (RAM)" if self._gpu else "host tier"
+        host_tip = (
+            "evicted from VRAM to pinned host RAM, copied back on a prefix hit"
+            if self._gpu
+            else "evicted to host memory, restorable"
+        )
         out = [
-            LegendEntry(self._counted("free"), pal.free, "an empty page, ready for any job"),
+            LegendEntry(self._counted("free"), pal.free, f"an empty page{vram}, ready for any job"),
             LegendEntry(
-                self._counted("cached"), pal.cached, "no job holds it; kept for prefix-cache hits"
+                self._counted("cached"),
+                pal.cached,
+                f"no job holds it{vram}; kept for prefix-cache hits",
             ),
-            LegendEntry(self._counted("host tier"), pal.host, "evicted to host memory, restorable"),
+            LegendEntry(self._counted("host tier", host), pal.host, host_tip),
             LegendEntry(
                 self._counted("disk tier"),
                 pal.disk,
@@ -170,12 +188,7 @@ class LegendBar(ChatColoredView):
         p.end()
 
     def event(self, ev: QEvent) -> bool:
-        if ev.type() == QEvent.Type.ToolTip and isinstance(ev, QHelpEvent):
-            for rect, tip in self._hit:
-                if rect.contains(QPointF(ev.pos())):
-                    QToolTip.showText(ev.globalPos(), tip, self)
-                    return True
-        return super().event(ev)
+        return show_region_tooltip(self, ev, self._hit) or super().event(ev)
 
 
 def _each_once(tags: list[Any]) -> list[Any]:

@@ -8,13 +8,16 @@ graphs, each only when its input changed; the graphs at most 4 times a second). 
 view's update and the repaint it causes then stay a few milliseconds apart from the
 next one's, so the UI thread never spends one long stretch on the memory views while
 chats stream (the issue's 50 ms budget). `refresh(...)` does all of it at once, for
-tests and screenshots. Clicks travel between the views here (a node clicked in
+tests and screenshots. On a GPU the header's part also reads the device's memory (at most
+`DEVICE_INTERVAL_S` apart) from the panel's `DeviceMemorySource` and draws it above the
+legend (`gui.views.device_memory`); on the CPU that view stays hidden. Clicks travel between the views here (a node clicked in
 the tree highlights its pages in the map; a page clicked in the map outlines its
 nodes in the tree) and leave through `chat_selected` and `page_clicked`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +25,10 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QFontMetrics, QGuiApplication
 from PySide6.QtWidgets import QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
 
+from engine.device import DeviceMemorySource, device_memory
 from gui.palette import ChatColors, Palette, os_prefers_dark, palette_for
 from gui.status import memory_figures
+from gui.views.device_memory import DeviceFigures, DeviceMemoryView
 from gui.views.graphs import ThroughputGraphs
 from gui.views.legend import LegendBar
 from gui.views.page_map import PageMapView
@@ -35,8 +40,11 @@ if TYPE_CHECKING:
     from engine.engine import EngineSnapshot
     from engine.telemetry import Telemetry
 
+log = logging.getLogger(__name__)
+
 PART_TICK_MS = 25  # one view per tick: a tick's work and repaint stay well under 50 ms
 GRAPH_INTERVAL_S = 0.25  # the graphs move smoothly at 4 Hz; their repaint is the dearest
+DEVICE_INTERVAL_S = 0.5  # the GPU's memory, read as often as the status bar reads it
 _PARTS = ("queue", "page_map", "tree", "graphs")
 
 
@@ -45,13 +53,21 @@ class MemoryPanel(QWidget):
 
     Signals: `chat_selected(object)` (the tag of a chat picked from the map),
     `page_clicked(int)`. `select_chat(tag)` does the reverse: highlights the chat's
-    pages and tree branch. Colours follow the OS theme unless `set_dark` pins one."""
+    pages and tree branch. Colours follow the OS theme unless `set_dark` pins one.
+    ``device_memory`` reads a GPU's memory (a test passes fake figures)."""
 
     chat_selected = Signal(object)
     page_clicked = Signal(int)
 
-    def __init__(self, chats: ChatColors | None = None, parent: QWidget | None = None):
+    def __init__(
+        self,
+        chats: ChatColors | None = None,
+        parent: QWidget | None = None,
+        device_memory: DeviceMemorySource = device_memory,
+    ):
         super().__init__(parent)
+        self._device_memory = device_memory
+        self._device_read_at = -DEVICE_INTERVAL_S
         self.chats = chats if chats is not None else ChatColors(parent=self)
         self._pinned_dark: bool | None = None
         self.palette_ = palette_for()
@@ -82,6 +98,7 @@ class MemoryPanel(QWidget):
         self.note.setWordWrap(True)
         self.note.setTextFormat(Qt.TextFormat.PlainText)
         self.note.setVisible(False)
+        self.device = DeviceMemoryView(self.palette_, self)
         self.legend = LegendBar(self.chats, self.palette_, self)
         self.page_map = PageMapView(self.chats, self.palette_, self)
         self.tree = PrefixTreeView(self.chats, self.palette_, self)
@@ -101,6 +118,7 @@ class MemoryPanel(QWidget):
         layout.setSpacing(3)
         layout.addWidget(self.header)
         layout.addWidget(self.note)
+        layout.addWidget(self.device)
         layout.addWidget(self.legend)  # outside the splitter: the legend never scrolls away
         layout.addWidget(split, 1)
 
@@ -123,6 +141,7 @@ class MemoryPanel(QWidget):
         """Redraw every view now from the snapshot and telemetry (reads only)."""
         t0 = time.perf_counter()
         self._store(snapshot, telemetry, tokenizer)
+        self._device_read_at = -DEVICE_INTERVAL_S  # read the GPU's memory now too
         for part in _PARTS:
             self._run_part(part, force=True)
         self.last_refresh_s = time.perf_counter() - t0
@@ -193,7 +212,9 @@ class MemoryPanel(QWidget):
                     [chat_key(j.job_id, j.tag) for j in snap.jobs if j.pages > 0]
                 )
                 self.legend.set_counts(tier_counts(snap))
+                self.legend.set_on_gpu(getattr(snap, "device", "").startswith("cuda"))
                 self._update_header(snap)
+                self._update_device(snap)
                 self._update_note(getattr(snap, "note", ""))
         elif part == "page_map" and snap is not None:
             self.page_map.set_snapshot(snap, self._tokenizer)
@@ -260,7 +281,7 @@ class MemoryPanel(QWidget):
         self.header.setStyleSheet(f"color: {pal.foreground};")
         self.note.setStyleSheet(f"color: {pal.foreground}; font-size: 8pt;")
         self._drawn.clear()  # every view redraws in the new colours
-        for view in (self.legend, self.page_map, self.tree, self.graphs, self.queue):
+        for view in (self.device, self.legend, self.page_map, self.tree, self.graphs, self.queue):
             view.set_palette(pal)
 
     def _update_header(self, snap: EngineSnapshot) -> None:
@@ -273,6 +294,28 @@ class MemoryPanel(QWidget):
             self._header_full = text
             self.header.setToolTip(text)
             self._elide_header()
+
+    def _update_device(self, snap: EngineSnapshot) -> None:
+        """The GPU's memory beside the engine's shares of it; hidden off a GPU."""
+        device = getattr(snap, "device", "")
+        if not device.startswith("cuda"):
+            self.device.set_figures(None)
+            return
+        now = time.monotonic()
+        if now - self._device_read_at < DEVICE_INTERVAL_S and self.device.figures is not None:
+            return
+        self._device_read_at = now
+        try:
+            memory = self._device_memory(device)
+        except RuntimeError:  # a driver that stops answering must not take the panel down
+            log.warning("could not read %s's memory", device, exc_info=True)
+            memory = None
+        figures = None
+        if memory is not None:
+            figures = DeviceFigures(
+                device, memory, snap.weight_bytes, snap.cache_bytes, snap.host_bytes
+            )
+        self.device.set_figures(figures)
 
     def _update_note(self, note: str) -> None:
         if note != self.note.text():

@@ -351,10 +351,17 @@ class PageMapView(PlotView):
                     info["text"] = f"({len(ids)} tokens)"
         return info
 
+    def on_gpu(self) -> str:
+        """The GPU the pages are on ("cuda:0"), "" when they are in RAM (or not known)."""
+        device = getattr(self._snapshot, "device", "")
+        return device if device.startswith("cuda") else ""
+
     def tooltip_text(self, page: int) -> str:
         i = self.page_info(page)
         where = {"device": "Page", "host": "Host slot", "disk": "Disk record"}[i["tier"]]
         lines = [f"{where} {i['page']} · {i['state']}"]
+        if self.on_gpu() and i["tier"] != "disk":
+            lines[0] += " · in VRAM" if i["tier"] == "device" else " · in host RAM"
         if i["hash"]:
             lines.append(f"hash {i['hash']}…")
         if i["tier"] == "disk":
@@ -486,6 +493,9 @@ class PageMapView(PlotView):
             f"{m.num_pages} pages × {m.page_size} tokens · {used} in use ({shared} shared)"
             f" · {cached} cached · {m.num_pages - used - cached} free"
         )
+        gpu = self.on_gpu()
+        if gpu:
+            text = f"VRAM ({gpu}): {text}"
         idx = np.flatnonzero((m.evict_rank >= 0) & (m.fill > 0))
         marked = idx[np.argsort(m.evict_rank[idx])].tolist()
         if marked:
@@ -495,7 +505,8 @@ class PageMapView(PlotView):
             text += " · no eviction soon: free pages are used first"
         if m.host_slots:
             held = int(np.count_nonzero(m.state[m.num_pages :] == PageState.HOST))
-            text += f" · host tier {held}/{m.host_slots} (below the gap)"
+            where = "host tier in host RAM" if gpu else "host tier"
+            text += f" · {where} {held}/{m.host_slots} (below the gap)"
         if m.disk_pages:
             shown = "bottom" if m.disk_cells == m.disk_pages else f"newest {m.disk_cells:,} shown"
             text += f" · disk tier {m.disk_pages:,} ({shown})"

@@ -187,6 +187,59 @@ def test_copy_on_write_is_invisible_on_the_gpu(on_gpu):
     assert forked.peak_pages < 4 * one.peak_pages
 
 
+def test_host_tier_copies_on_a_side_stream():
+    """Pinned slots; a push is read before the compute stream reuses its page, a restore
+    lands before the page is read (engine/cache/tier_copies.py)."""
+    from engine.cache import HostTier
+    from engine.cache.storage import PagedKVStorage, dense_allocator
+    from engine.cache.tier_copies import CudaStreams
+
+    storage = PagedKVStorage(2, 8, 16, dense_allocator(2, 64, torch.float16, CUDA))
+    for t in storage.page_tensors():
+        t.copy_(torch.randn(t.shape, device=CUDA))
+    tier = HostTier(4 * storage.bytes_per_page, storage)
+    assert isinstance(tier.copies.streams, CudaStreams)
+    assert all(t.is_pinned() for t in tier.storage.page_tensors())
+    page = storage.read_page(1)
+    for step in range(20):  # a race, if there were one, shows within a few tries
+        h = bytes([step]) * 16
+        assert tier.push(h, None, list(range(16)), storage, 1)
+        storage.copies.await_pages([1])  # what a forward over page 1 does first
+        for t in storage.page_tensors():
+            t[1].mul_(-1)  # the page reused at once
+        assert tier.read_slot(h) == page
+        tier.restore(h, storage, 5)
+        assert storage.read_page(5) == page
+        for t in storage.page_tensors():
+            t[1].mul_(-1)  # back to the bytes pushed next round
+
+
+def test_the_host_tier_is_invisible_on_the_gpu(on_gpu):
+    """A shared prefix pushed to pinned host RAM by other jobs and restored from it gives
+    the tokens a run without any cache gives."""
+    vocab = on_gpu.config.vocab_size
+    shared = random_ids(64, seed=50, vocab=vocab)
+
+    def request(prompt: list[int]) -> JobRequest:
+        return JobRequest(prompt=prompt, sampling=GREEDY, max_new_tokens=8, stop_token_ids=())
+
+    cache = CacheSettings(page_size=16, token_budget=160, host_bytes=64 << 20)
+    gen = make_generator(on_gpu, cache=cache, max_batch_size=2)
+    tier = gen.cache.pages.host_tier
+    assert all(t.is_pinned() for t in tier.storage.page_tensors())
+    gen.submit(request(shared + random_ids(9, 51, vocab)))
+    drain(gen)
+    for seed in range(3):  # fill the device pages: the prefix goes to the host tier
+        gen.submit(request(random_ids(140, 60 + seed, vocab)))
+        drain(gen)
+    second = request(shared + random_ids(11, 52, vocab))
+    job = gen.submit(second)
+    restored = drain(gen)[job.job_id]
+    assert gen.pages.counters.tier_restores >= 4
+    fresh = run_alone(on_gpu, second, tokens=1024, prefix_caching=False)
+    assert restored.token_ids == fresh.token_ids
+
+
 def test_quantized_pages_on_the_gpu(on_gpu):
     """K and V in 8 bits on the device (keys calibrated by a forward on the GPU): the
     pages are there, the job runs to its length, and no page leaks."""
@@ -204,12 +257,18 @@ def test_quantized_pages_on_the_gpu(on_gpu):
     assert len(result.token_ids[0]) == 10
 
 
-def test_graph_replay_equals_eager(on_gpu):
+@pytest.mark.parametrize("bits", [None, 4], ids=["fp16", "k4v4"])
+def test_graph_replay_equals_eager(on_gpu, bits):
+    """fp16 pages, and quantized K and V (codes, steps, minima, and the key offset tables
+    reserved up front) replayed from the same graph as eager computes them."""
     from engine.cache.kv_cache import StepBatch
+    from engine.model.calibration import calibrate_keys
     from engine.model.decode_graphs import DecodeGraphs
     from engine.model.runner import SequenceRunner
 
-    cache = KVCache.for_model(on_gpu, CacheSettings(page_size=16, token_budget=1024))
+    settings = CacheSettings(page_size=16, token_budget=1024, k_bits=bits, v_bits=bits)
+    calibration = calibrate_keys(on_gpu, count=64) if bits else None
+    cache = KVCache.for_model(on_gpu, settings, calibration)
     graphs = DecodeGraphs(on_gpu.model, cache)
     runners = [SequenceRunner(on_gpu, cache, random_ids(n, n), 8, job_id=n) for n in (70, 5, 33)]
     for r in runners:

@@ -249,6 +249,15 @@ def test_a_request_wider_than_the_batch_is_refused_at_submit(tiny):
         assert all(h.wait(60).new_tokens == 4 for h in handles)
 
 
+def test_the_snapshot_says_where_the_pages_and_weights_are(tiny):
+    # what the memory panel needs to draw a GPU's memory (gui/views/device_memory.py)
+    with _tiny_engine(tiny) as engine:
+        snap = engine.snapshot()
+        assert snap.device == str(engine.cache.device) == "cpu"
+        assert snap.weight_bytes == tiny.weight_bytes > 0
+        assert snap.cache_bytes == engine.cache.nbytes()
+
+
 def test_submit_after_shutdown_raises(tiny):
     engine = _tiny_engine(tiny).start()
     engine.shutdown()

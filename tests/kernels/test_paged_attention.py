@@ -468,3 +468,18 @@ def test_triton_decode_work_list_without_a_round_trip(triton_interpreter, heads)
     case = make_case(DECODE, 16, *heads, 32)
     fn = functools.partial(triton_interpreter.triton_paged_attention, decode=True)
     assert _max_err(case.paged(fn, 7), case.paged(sliding_window=7)) < 1e-4
+
+
+def test_triton_decode_checks_the_key_offset_against_the_host_length(triton_interpreter):
+    """``longest`` (the batch's longest context, known on the host in a decode step) is what
+    the key offset table is checked against, so a CUDA graph can capture a quantized K
+    cache's decode step: ``seq_lens`` is not read back."""
+    import functools
+
+    case = make_case(DECODE, 16, 4, 2, 32, fmt_k=asym(4), fmt_v=asym(4), key_mean=3.0)
+    longest = int(case.seq_lens.max())
+    fn = functools.partial(triton_interpreter.triton_paged_attention, decode=True, longest=longest)
+    assert _max_err(case.paged(fn), case.paged()) < 1e-4
+    beyond = functools.partial(fn, longest=case.k_offset.table.shape[0] + 1)
+    with pytest.raises(ValueError, match="does not cover the longest context"):
+        case.paged(beyond)
