@@ -50,6 +50,7 @@ class Q8KActivations:
     # kernel sums a token's two levels in one float step: superblock.kblock_dot, paired)
     pair16: np.ndarray | None = None
     pair32: np.ndarray | None = None
+    wide: np.ndarray | None = None  # :meth:`wide_q4_k`, made on first use
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,6 +68,21 @@ class Q8KActivations:
                 raise ValueError("paired sums need two levels of activations")
             return codes, self.d, self.pair16 if sub_block == 16 else self.pair32
         return codes, self.d, self.bsum16 if sub_block == 16 else self.bsum32
+
+    def wide_q4_k(self) -> np.ndarray:
+        """int16 ``[B, K]`` of a two-level ``[2B, K]``: each token's two levels as one
+        integer, ``256 * q_0 + q_1`` (within +-32,639), in Q4_K's order, each 64 as the
+        elements ``4j, 4j + 1`` then ``4j + 2, 4j + 3`` (``j < 16``): what
+        :func:`~kernels.quant.superblock.kblock_rows` multiplies at ``levels``
+        :data:`~kernels.quant.superblock.WIDE`."""
+        if self.pair16 is None:
+            raise ValueError("int16 activations need two levels")
+        if self.wide is None:
+            b = self.q.shape[0] // 2
+            both = 256 * self.q_k4[:b].astype(np.int16) + self.q_k4[b:]
+            quads = both.reshape(b, -1, 16, 2, 2)  # [token, 64s, j, half, element]
+            self.wide = np.ascontiguousarray(quads.transpose(0, 1, 3, 2, 4)).reshape(b, -1)
+        return self.wide
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
@@ -181,6 +197,19 @@ class Q8Activations:
         """float32 ``[rows, K]``: the values a kernel multiplies by, in the per-32 or the
         super-block format."""
         return self.super_blocks().dequantize() if per_super_block else self.dequantize()
+
+    def wide_q4_k(self) -> np.ndarray:
+        """int16 ``[B, K]`` of a two-level ``[2B, K]``: each token's two levels as one
+        integer, ``256 * q_0 + q_1`` (within +-32,639), in Q4_K's order, each 64 as the
+        elements ``4j, 4j + 1`` then ``4j + 2, 4j + 3`` (``j < 16``): what
+        :func:`~kernels.quant.superblock.kblock_rows` multiplies at ``levels``
+        :data:`~kernels.quant.superblock.WIDE`."""
+        if self.pair16 is None:
+            raise ValueError("int16 activations need two levels")
+        b = self.q.shape[0] // 2
+        both = 256 * self.q_k4[:b].astype(np.int16) + self.q_k4[b:]
+        quads = both.reshape(b, -1, 16, 2, 2)  # [token, 64s, j, half, element]
+        return np.ascontiguousarray(quads.transpose(0, 1, 3, 2, 4)).reshape(b, -1)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""

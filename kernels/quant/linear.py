@@ -41,6 +41,7 @@ from kernels.quant.matmul import (
 )
 from kernels.quant.registry import ActivationFormat
 from kernels.quant.simd import quantize32
+from kernels.quant.superblock import WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
 
@@ -165,7 +166,12 @@ class BlockLinear(PartsLinear):
                 ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
                 kind = group.parts[0].kind
                 q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
-                kind.decode_parts(group.table, group.row_bytes, 2, q, d, bsum, cols, decode_tasks())
+                levels = 2
+                if wide_pairs(kind.name, rows):
+                    q, levels = ka.wide_q4_k(), WIDE
+                kind.decode_parts(
+                    group.table, group.row_bytes, levels, q, d, bsum, cols, decode_tasks()
+                )
                 continue
             (part,) = group.parts
             if part.is_float:

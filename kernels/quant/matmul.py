@@ -33,6 +33,7 @@ from kernels.quant.activations import (
     quantize_super_blocks,
 )
 from kernels.quant.registry import ActivationFormat
+from kernels.quant.superblock import FEW_TOKENS, WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
 __all__ = [
@@ -204,5 +205,16 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
             # types: numba compiles each memory layout apart)
             for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):
                 kind.decode_parts(table, w.data.shape[1], 2, *args, out, decode_tasks())
+            tokens = FEW_TOKENS + 1
+            if wide_pairs(kind.name, tokens):  # int16 activations: another signature
+                act = quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
+                _, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+                for out in (
+                    np.empty((tokens, 1), np.float32),
+                    np.empty((tokens, 2), np.float32)[:, :1],
+                ):
+                    kind.decode_parts(
+                        table, w.data.shape[1], WIDE, act.wide_q4_k(), d, bsum, out, decode_tasks()
+                    )
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

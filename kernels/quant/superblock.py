@@ -19,6 +19,10 @@ each token's activation vectors loaded once for both (:data:`ROW_GROUP`). A proj
 two levels of int8 (:func:`~kernels.quant.activations.
 quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
 ``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
+Above :data:`FEW_TOKENS` tokens on AVX-512 VNNI, Q4_K takes that integer directly
+(:func:`wide_pairs`): the two levels as one int16 per element, the codes times their
+scales as int16 once per row, one ``vpdpwssd`` per 32 elements and token where the two
+int8 levels take four instructions per 64, and the same value rounded once.
 Every instruction set reaches the same integers, so every path gives the same bits, and
 each activation row's arithmetic is the same whatever the number of rows (batch
 invariance).
@@ -245,6 +249,50 @@ FEW_TOKENS = 4
 _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code
 
 
+# ``levels`` of kblock_dot for two levels as one int16 per element
+# (:meth:`~kernels.quant.activations.Q8KActivations.wide_q4_k`), where WIDE_PATHS has it
+WIDE = 3
+# (instruction set, kind): Q4_K's codes times their scales stay under 2^10, so 16
+# products of int16 activations per lane and block stay within int32 (Q6_K's reach 2^12,
+# and its zero point is folded into the offsets as unsigned codes: not wide)
+WIDE_PATHS = {("avx512vnni", "Q4_K")}
+
+
+def wide_pairs(kind_name: str, tokens: int) -> bool:
+    """Whether :func:`kblock_rows` takes ``tokens`` rows of two levels as int16
+    activations (``levels`` :data:`WIDE`) for this kind on this CPU: one ``vpdpwssd`` per
+    32 elements and token, where the two int8 levels take two ``vpmaddubsw`` and two
+    ``vpdpwssd`` per 64 (unpacking, once per row, multiplies the codes by their scales)."""
+    return tokens > FEW_TOKENS and (HOST_ISA, kind_name) in WIDE_PATHS
+
+
+def _wide_codes(builder, codes, pair_scales):
+    """A chunk's 64 codes (u8, < 16) times their sub-block scales as two ``<32 x i16>``:
+    elements 4j, 4j + 1 then 4j + 2, 4j + 3 at positions 2j, 2j + 1, so that lane j of
+    ``vpdpwssd`` sums elements 4j..4j+3, the lane :func:`_scaled_lanes` gives them."""
+    out = []
+    for h in range(2):
+        picked = _pick(builder, codes, [4 * (i // 2) + 2 * h + i % 2 for i in range(32)])
+        out.append(builder.mul(builder.zext(picked, _vec(I16, 32)), pair_scales))
+    return out
+
+
+def _wide_isum(builder, wide_codes, xs):
+    """float ``<16 x float>`` of the lanes' exact integer sums: each chunk's two i16 code
+    vectors times the token's two i16 activation vectors (256 x level 0 + level 1).
+    The same value, rounded once, as ``fma(float(isum_0), 256, float(isum_1))``: the same
+    bits as the two-level path."""
+    v16i = _vec(I32, 16)
+    dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+    isum = ir.Constant(v16i, None)
+    for codes, x in zip(wide_codes, xs):
+        for h in range(2):
+            isum = builder.call(
+                dpwssd, [isum, builder.bitcast(codes[h], v16i), builder.bitcast(x[h], v16i)]
+            )
+    return builder.sitofp(isum, _vec(F32, 16))
+
+
 @intrinsic
 def kblock_dot(
     typingctx, row, row_step, n_w, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, bs, bs_tok, out, out_tok, tokens,
@@ -276,16 +324,20 @@ def kblock_dot(
     lit = (
         _literal(isa, range(len(ISAS))),
         _literal(kind, tuple(KBLOCK_KINDS)),
-        _literal(levels, (1, 2)),
+        _literal(levels, (1, 2, WIDE)),
     )
     if any(v is None for v in lit):
         return None
     isa_name, kind_v, n_levels = ISAS[lit[0]], lit[1], lit[2]
     _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
+    wide_ok = n_levels != WIDE or (isa_name, KBLOCK_KINDS[kind_v][0]) in WIDE_PATHS
     u, i = types.uintp, types.intp
     sig = types.void(u, i, i, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
 
     def codegen(context, builder, signature, args):
+        if not wide_ok:  # never called (wide_pairs says where it is): trap if it were
+            builder.call(_fn(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
         row_a, row_step, n_w, nblk_v = args[:4]
         x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[4:12]
         out_a, out_tok, tokens_v, acc_a = args[12:16]
@@ -310,7 +362,10 @@ def kblock_dot(
             )
             d, dm, sc, mins, chunks = body(builder, base)
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
-            return d, dm, mins, [c for c, _, _ in chunks], lanes, pairs
+            codes = [c for c, _, _ in chunks]
+            if n_levels == WIDE:  # the codes times their scales, as i16, once per block
+                codes = [_wide_codes(builder, c, pr) for c, pr in zip(codes, pairs)]
+            return d, dm, mins, codes, lanes, pairs
 
         # the elements of each chunk (the same for every block: read off the IR of one,
         # which nothing uses and LLVM drops)
@@ -338,8 +393,18 @@ def kblock_dot(
                 xd_j = builder.add(
                     builder.add(xd_a, builder.mul(j, xd_tok)), builder.mul(blk, I64(4))
                 )
-                xs = [activations(xb)]
-                if n_levels == 2:
+                if n_levels == WIDE:  # i16 activations: two vectors of 32 per chunk
+                    xb = builder.add(
+                        builder.add(x_a, builder.mul(j, x_tok)), builder.mul(blk, I64(512))
+                    )
+                    xs = [
+                        [_load(builder, builder.add(xb, I64(128 * c + 64 * h)), _vec(I16, 32))
+                         for h in range(2)]
+                        for c in range(len(spans))
+                    ]  # fmt: skip
+                else:
+                    xs = [activations(xb)]
+                if n_levels != 1:
                     xs.append(activations(builder.add(xb, x_lvl)))
                     xd_j = builder.add(xd_j, xd_lvl)  # the second level's scale: the first's / 256
                 xd_v = _load(builder, xd_j, F32, 4)
@@ -349,7 +414,9 @@ def kblock_dot(
                 bsum = _load(builder, bs_j, _vec(I32, n_sub), 4)
                 for w, unpacked in zip(ws, rows):
                     d, dm, mins = unpacked[:3]
-                    if n_levels == 2:
+                    if n_levels == WIDE:
+                        total = _wide_isum(builder, unpacked[3], xs)
+                    elif n_levels == 2:
                         total = _fma(
                             builder,
                             isum_of(unpacked, xs[0]),
@@ -583,6 +650,8 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     the mapped file. The rows are split in ``tasks`` ranges over numba's threads; each
     weight row is read and unpacked once for all tokens (:func:`kblock_dot`), the next
     one prefetched."""
+    if levels == WIDE and out.shape[0] <= FEW_TOKENS:
+        raise ValueError("int16 activations are for more than FEW_TOKENS tokens")
     n_parts = parts.shape[0]
     n_rows = 0
     for p in range(n_parts):
@@ -634,6 +703,11 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
                 _passes(
                     kind, row_at, nblk, levels, tokens, xq_at, xd_at, bs_at, steps, dots, out, n
                 )
+            elif levels == WIDE:  # int16 activations, one row per token
+                kblock_dot(
+                    row_at, row_bytes, group, nblk, xq_at, qs, 0, xd_at, ds,
+                    tokens * ds, bs_at, ss, o_at, os_, tokens, acc_at, ISA, kind, WIDE
+                )  # fmt: skip
             # the second level of token t is row t + T (levels 2)
             elif levels == 2:
                 kblock_dot(

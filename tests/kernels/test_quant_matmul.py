@@ -42,6 +42,7 @@ from kernels.quant import (
     quantize_activations,
 )
 from kernels.quant.bench import random_blocks
+from kernels.quant.matmul import decode_tasks
 from kernels.quant.reference import reference_dequantize, reference_matmul
 from kernels.quant.simd import ISA_CODES
 from tests.child_process import run_json
@@ -382,6 +383,67 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
     asm = _asm_for(kblock_pass, args, cpu)
     assert re.search(want, asm) and re.search("vpmaddubsw", asm)
     assert not re.search(absent, asm)
+
+
+def test_wide_q4_k_codegen():
+    """Two levels as int16 (Q4_K on AVX-512 VNNI): one vpdpwssd per 32 elements and
+    token, no vpmaddubsw (the codes are multiplied by their scales once, as i16)."""
+    import re
+
+    from numba import types
+
+    from kernels.quant.superblock import KBLOCK_CODES, WIDE, kblock_dot
+
+    u, lit = types.uintp, types.literal
+    argtypes = [u] * 16 + [lit(ISA_CODES["avx512vnni"]), lit(KBLOCK_CODES["Q4_K"]), lit(WIDE)]
+    asm = _asm_for(kblock_dot, argtypes, "znver4")
+    assert re.search(r"vpdpwssd\s[^\n]*%zmm", asm) and re.search(r"vpmullw\s[^\n]*%zmm", asm)
+    assert not re.search("vpmaddubsw|vpdpbusd", asm)
+
+
+def test_wide_activations_pair_the_two_levels():
+    """``wide_q4_k``: per token 256 x level 0 + level 1 in Q4_K's order, each 64 as the
+    elements 4j, 4j+1 (j < 16) then 4j+2, 4j+3."""
+    from kernels.quant.activations import quantize_super_blocks
+
+    x = np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32) * 5
+    act = quantize_super_blocks(x, levels=2)
+    wide = act.wide_q4_k()
+    assert wide.dtype == np.int16 and wide.shape == (3, 512)
+    both = 256 * act.q_k4[:3].astype(np.int64) + act.q_k4[3:]
+    for t in range(3):
+        for c in range(512 // 64):
+            chunk = both[t, 64 * c : 64 * c + 64]
+            want = [chunk[4 * (i // 2) + 2 * h + i % 2] for h in range(2) for i in range(32)]
+            assert np.array_equal(wide[t, 64 * c : 64 * c + 64], want)
+    assert act.wide_q4_k() is wide  # made once per activations
+    with pytest.raises(ValueError, match="two levels"):
+        quantize_super_blocks(x).wide_q4_k()
+
+
+@pytest.mark.parametrize("tokens", [5, 9, 33])
+def test_wide_q4_k_kernel_gives_the_two_level_bits(tokens):
+    """The int16 path sums 256 x isum_0 + isum_1 in integers and rounds once: the same
+    bits as the paired two-level path (which rounds the same value once, in an fma)."""
+    from kernels.quant.activations import quantize_super_blocks
+    from kernels.quant.superblock import WIDE, wide_pairs
+
+    if not wide_pairs("Q4_K", tokens):
+        pytest.skip("this CPU has no AVX-512 VNNI: the int16 path is not used here")
+    kind = quant_type(Q.Q4_K)
+    raw, _ = _weight(Q.Q4_K, 70, 1024, seed=21)
+    table = np.array([[raw.ctypes.data, 70]], np.int64)
+    x = np.random.default_rng(22).standard_normal((tokens, 1024)).astype(np.float32) * 3
+    x[:, 5] = 80.0  # an outlier channel
+    act = quantize_super_blocks(x, levels=2)
+    q, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+    two = np.empty((tokens, 80), np.float32)[:, 5:75]  # into columns of a wider output
+    wide = np.empty((tokens, 70), np.float32)
+    kind.decode_parts(table, raw.shape[1], 2, q, d, bsum, two, decode_tasks())
+    kind.decode_parts(table, raw.shape[1], WIDE, act.wide_q4_k(), d, bsum, wide, decode_tasks())
+    assert np.array_equal(two, wide)
+    with pytest.raises(ValueError, match="FEW_TOKENS"):
+        kind.decode_parts(table, raw.shape[1], WIDE, act.wide_q4_k()[:4], d, bsum, wide[:4], 1)
 
 
 def test_integer_fp16_fallback_is_exact():
