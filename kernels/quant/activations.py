@@ -198,19 +198,6 @@ class Q8Activations:
         super-block format."""
         return self.super_blocks().dequantize() if per_super_block else self.dequantize()
 
-    def wide_q4_k(self) -> np.ndarray:
-        """int16 ``[B, K]`` of a two-level ``[2B, K]``: each token's two levels as one
-        integer, ``256 * q_0 + q_1`` (within +-32,639), in Q4_K's order, each 64 as the
-        elements ``4j, 4j + 1`` then ``4j + 2, 4j + 3`` (``j < 16``): what
-        :func:`~kernels.quant.superblock.kblock_rows` multiplies at ``levels``
-        :data:`~kernels.quant.superblock.WIDE`."""
-        if self.pair16 is None:
-            raise ValueError("int16 activations need two levels")
-        b = self.q.shape[0] // 2
-        both = 256 * self.q_k4[:b].astype(np.int16) + self.q_k4[b:]
-        quads = both.reshape(b, -1, 16, 2, 2)  # [token, 64s, j, half, element]
-        return np.ascontiguousarray(quads.transpose(0, 1, 3, 2, 4)).reshape(b, -1)
-
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
         b, k = self.q.shape
