@@ -18,27 +18,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.quant.activations import (
-    ACT_BLOCK,
-    Q8Activations,
-    Q8KActivations,
-    quantize_super_blocks,
-)
-from kernels.quant.blocks import JIT
+from kernels.quant.activations import quantize_super_blocks, two_level_activations
 from kernels.quant.matmul import (
     DECODE_MAX_ROWS,
-    decode_matmul,
     decode_tasks,
     dequantize_weight,
+    parts_kernel_args,
     prefill_matmul,
 )
 from kernels.quant.registry import ActivationFormat
-from kernels.quant.simd import quantize32
 from kernels.quant.weight import QuantWeight
 
 
@@ -136,8 +128,7 @@ class BlockLinear(PartsLinear):
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
         """Two levels of int8 activations; each group of parts in one kernel call that
-        writes its columns of the output (the levels summed in the kernel), the other
-        parts one call each."""
+        writes its columns of the output (the levels summed in the kernel)."""
         rows = x.shape[0]
         out = np.empty((rows, self.out_features), np.float32)
         act = (
@@ -147,27 +138,21 @@ class BlockLinear(PartsLinear):
         )
         for group in self._groups:
             cols = out[:, group.first : group.first + group.columns]
-            if group.table is not None:
-                ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
-                kind = group.parts[0].kind
-                q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
-                kind.decode_parts(group.table, group.row_bytes, 2, q, d, bsum, cols, decode_tasks())
+            if group.table is None:  # a float part
+                cols[:] = _float_part(x, group.parts[0]).numpy()
                 continue
-            (part,) = group.parts
-            if part.is_float:
-                cols[:] = _float_part(x, part).numpy()
-            else:
-                y = decode_matmul(act, part)
-                np.add(y[:rows], y[rows:], out=cols)
+            kind = group.parts[0].kind
+            q, d, xsum = parts_kernel_args(kind, act)
+            kind.decode_parts(group.table, group.row_bytes, 2, q, d, xsum, cols, decode_tasks())
         return torch.from_numpy(out)
 
 
 @dataclass(frozen=True)
 class _Group:
     """Output columns ``first .. first + columns`` of a :class:`BlockLinear`: consecutive
-    parts of one super-block type, multiplied in one call through their row table
-    (``table``: int64 ``[P, 2]``, each part's first-row address and row count), or a
-    single part of any other type (``table`` None)."""
+    parts of one block type, multiplied in one call through their row table (``table``:
+    int64 ``[P, 2]``, each part's first-row address and row count), or a single float
+    part (``table`` None)."""
 
     parts: tuple[QuantWeight, ...]
     first: int
@@ -181,9 +166,6 @@ def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
     run: list[QuantWeight] = []
     first = 0
 
-    def fusable(p: QuantWeight) -> bool:
-        return not p.is_float and p.kind.decode_parts is not None and p.data.flags.c_contiguous
-
     def close_run():
         nonlocal first, run
         if run:
@@ -194,70 +176,17 @@ def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
             run = []
 
     for p in parts:
-        if fusable(p) and (not run or run[0].qtype == p.qtype):
+        if not p.is_float and (not run or run[0].qtype == p.qtype):
             run.append(p)
             continue
         close_run()
-        if fusable(p):
+        if not p.is_float:
             run.append(p)
             continue
         groups.append(_Group((p,), first, p.out_features))
         first += p.out_features
     close_run()
     return groups
-
-
-def two_level_activations(x: np.ndarray) -> Q8Activations:
-    """``x [B, K]`` as int8 activations of ``2B`` rows: ``x`` itself, then what its int8
-    rounding left (``x`` minus the dequantized first rows), so that rows ``b`` and
-    ``B + b`` of a product sum to ``W x_b`` within about 1/127 of the int8 error.
-
-    One level of int8 per 32 is what llama.cpp multiplies by; on SmolLM2 it moved the
-    argmax against exact weights at 4% of the positions of a 512-token text (relative
-    error of the leading logit 0.7%); two levels at none (3e-5). The kernel unpacks each
-    weight row once for all activation rows, so the second level costs dot products, not
-    weight reads. One numba call (three numpy calls and two quantizations took 21 us).
-    The super-block format of the same two levels (Q4_K / Q6_K kernels) is made from
-    ``x`` on first use; a projection of those types alone makes only that one
-    (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    b, k = x.shape
-    if k % ACT_BLOCK:
-        raise ValueError(f"activations must be [B, K] with K a multiple of 32, got {x.shape}")
-    act = Q8Activations(
-        np.empty((2 * b, k), np.int8),
-        np.empty((2 * b, k // 32), np.float32),
-        np.empty((2 * b, k // 16), np.float32),
-        np.empty((2 * b, k // 32), np.float32),
-    )
-    _two_level(x, act.q, act.scale, act.sum16, act.sum32)
-    act.source, act.levels = x, 2
-    return act
-
-
-@numba.njit(**JIT)
-def _two_level(x, q, scale, sum16, sum32):
-    batch, k = x.shape
-    four = np.empty(4, np.float32)
-    rest = np.empty(32, np.float32)
-    for b in range(batch):
-        x_at = x[b].ctypes.data
-        for level in range(2):
-            row = b + level * batch
-            q_at = q[row].ctypes.data
-            for blk in range(k // 32):
-                if level == 0:
-                    src = x_at + 128 * blk
-                else:
-                    d = scale[b, blk]
-                    for i in range(32):
-                        rest[i] = x[b, 32 * blk + i] - np.float32(q[b, 32 * blk + i]) * d
-                    src = rest.ctypes.data
-                quantize32(src, q_at + 32 * blk, four.ctypes.data)
-                scale[row, blk] = four[0]
-                sum16[row, 2 * blk] = four[1]
-                sum16[row, 2 * blk + 1] = four[2]
-                sum32[row, blk] = four[3]
 
 
 def _float_part(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
