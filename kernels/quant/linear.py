@@ -22,7 +22,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.quant.activations import quantize_super_blocks, two_level_activations
+from kernels.quant.activations import (
+    GELU_TANH_GATE,
+    RMS_NORM,
+    SILU_GATE,
+    Q8Activations,
+    Q8KActivations,
+    prepared_activations,
+    quantize_super_blocks,
+    two_level_activations,
+)
 from kernels.quant.matmul import (
     DECODE_MAX_ROWS,
     decode_tasks,
@@ -105,12 +114,34 @@ class BlockLinear(PartsLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = self._matmul(x2.contiguous())
+        y = self._finish(self._matmul(x2.contiguous()))
+        return y.reshape(*lead, self.out_features)
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             y = y.index_select(1, self.perm)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
+        few enough for the decode kernels (the row count alone decides, as in ``__call__``)."""
+        return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS
+
+    def normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``self(rms_norm(x) * weight)`` for rows that :meth:`fuses`: the norm and the
+        activations' quantization in one numba call."""
+        act = prepared_activations(x.numpy(), RMS_NORM, self._per32, weight.numpy(), eps)
+        return self._finish(self._decode(torch.from_numpy(act.source), act))
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """``self(act(gate) * up)`` (SiLU, or with ``gelu`` tanh-approximated GELU) for
+        ``gate_up = [gate | up]`` rows that :meth:`fuses`: the gate and the activations'
+        quantization in one numba call."""
+        op = GELU_TANH_GATE if gelu else SILU_GATE
+        act = prepared_activations(gate_up.numpy(), op, self._per32)
+        return self._finish(self._decode(torch.from_numpy(act.source), act))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -126,16 +157,20 @@ class BlockLinear(PartsLinear):
             ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Two levels of int8 activations; each group of parts in one kernel call that
-        writes its columns of the output (the levels summed in the kernel)."""
+    def _decode(
+        self, x: torch.Tensor, act: Q8Activations | Q8KActivations | None = None
+    ) -> torch.Tensor:
+        """Two levels of int8 activations (``act``: already made from ``x``); each group
+        of parts in one kernel call that writes its columns of the output (the levels
+        summed in the kernel)."""
         rows = x.shape[0]
         out = np.empty((rows, self.out_features), np.float32)
-        act = (
-            two_level_activations(x.numpy())
-            if self._per32
-            else quantize_super_blocks(x.numpy(), levels=2)
-        )
+        if act is None:
+            act = (
+                two_level_activations(x.numpy())
+                if self._per32
+                else quantize_super_blocks(x.numpy(), levels=2)
+            )
         for group in self._groups:
             cols = out[:, group.first : group.first + group.columns]
             if group.table is None:  # a float part

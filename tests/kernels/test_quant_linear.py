@@ -186,3 +186,68 @@ def test_embedding_rows_are_the_dequantized_rows(qtype):
     assert table(torch.tensor([], dtype=torch.long)).shape == (0, K)
     with pytest.raises(IndexError, match="vocabulary"):
         table(torch.tensor([200]))
+
+
+@pytest.mark.parametrize("per32", [True, False])
+def test_prepared_activations_quantize_the_op_they_compute(per32):
+    """The norm before q/k/v or gate/up, and the gate before down, computed in the numba
+    call that quantizes them: the float rows within float32 rounding of torch's ops, the
+    codes exactly those of quantizing those rows, each row the same alone as in a batch."""
+    import torch.nn.functional as F
+
+    from kernels.quant.activations import (
+        GELU_TANH_GATE,
+        RMS_NORM,
+        SILU_GATE,
+        prepared_activations,
+    )
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, K)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    gate_up = rng.standard_normal((3, 2 * K)).astype(np.float32) * 2
+    g, u = torch.from_numpy(gate_up).split(K, dim=-1)
+    cases = [
+        (x, RMS_NORM, F.rms_norm(torch.from_numpy(x), (K,), torch.from_numpy(w), 1e-5)),
+        (gate_up, SILU_GATE, F.silu(g) * u),
+        (gate_up, GELU_TANH_GATE, F.gelu(g, approximate="tanh") * u),
+    ]
+    for rows, op, want in cases:
+        act = prepared_activations(rows, op, per32, w if op == RMS_NORM else None, 1e-5)
+        assert np.allclose(act.source, want.numpy(), rtol=1e-5, atol=1e-6), op
+        again = (
+            two_level_activations(act.source)
+            if per32
+            else quantize_super_blocks(act.source, levels=2)
+        )
+        assert np.array_equal(act.q, again.q), op
+        alone = prepared_activations(rows[1:2], op, per32, w if op == RMS_NORM else None, 1e-5)
+        assert np.array_equal(alone.source[0], act.source[1]), op
+    with pytest.raises(ValueError, match="weight of shape"):
+        prepared_activations(x, RMS_NORM, per32, w[:32])
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K)])
+def test_normed_and_gated_projections_equal_the_ops_then_the_projection(qtypes):
+    """`BlockLinear.normed` / `gated` (the model's decode path): the projection of the
+    norm's or the gate's output to the error of its int8 activations, and each row the
+    same bits alone as in any batch."""
+    import torch.nn.functional as F
+
+    parts = [_weight(qt, 48, seed=30 + i)[0] for i, qt in enumerate(qtypes)]
+    lin = BlockLinear(parts)
+    torch.manual_seed(3)
+    x = torch.randn(5, K) * 2
+    w = 1 + 0.1 * torch.randn(K)
+    gate_up = torch.randn(5, 2 * K)
+    assert lin.fuses(x) and not lin.fuses(torch.randn(DECODE_MAX_ROWS + 1, K))
+    g, u = gate_up.split(K, dim=-1)
+    for got, want in (
+        (lin.normed(x, w, 1e-6), lin(F.rms_norm(x, (K,), w, 1e-6))),
+        (lin.gated(gate_up, gelu=False), lin(F.silu(g) * u)),
+        (lin.gated(gate_up, gelu=True), lin(F.gelu(g, approximate="tanh") * u)),
+    ):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    for b in (1, 2, 4):
+        assert torch.equal(lin.normed(x[b : b + 1], w, 1e-6)[0], lin.normed(x, w, 1e-6)[b])
+        assert torch.equal(lin.gated(gate_up[b : b + 1], True)[0], lin.gated(gate_up, True)[b])
