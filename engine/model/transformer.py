@@ -459,12 +459,21 @@ class Transformer:
         qkv = normed_linear(layer.qkv, x, layer.attn_norm, cfg.rms_norm_eps, bf16)
         qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
         pages = cache.dense_pages(index)
-        if pages is not None and layer.q_norm is None and qkv.dtype == torch.float32:
+        # q/k norms in numba only with file-block weights (already off torch's bits by
+        # their int8 activations): dense weights keep transformers' arithmetic
+        norms = None
+        if layer.q_norm is not None and isinstance(layer.qkv, BlockLinear):
+            norms = (heads, layer.q_norm.numpy(), layer.k_norm.numpy(), cfg.rms_norm_eps)
+        if (
+            pages is not None
+            and (layer.q_norm is None or norms is not None)
+            and qkv.dtype == torch.float32
+        ):
             # one numba call: q and k heads rotated in place, k and v stored (same bits)
             cos, sin = rope
             rope_and_store(
                 qkv.numpy(), cos.numpy(), sin.numpy(), heads + kv_heads, pages,
-                batch.write_pages.numpy(), batch.write_slots.numpy(),
+                batch.write_pages.numpy(), batch.write_slots.numpy(), norms,
             )  # fmt: skip
             q = qkv[:, :heads]
         else:

@@ -47,6 +47,31 @@ def test_rope_and_store_equal_torch_rope_and_indexed_write(heads, kv_heads, head
     assert torch.equal(alone[0], got[3])
 
 
+def test_head_norms_before_the_rotation():
+    """Models with q/k norms (Gemma 3, Qwen3): each rotated head RMS-normed by its weight
+    first, within float32 rounding of torch's norm."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 4, 1, 256
+    qkv = torch.randn(3, heads + 2 * kv_heads, head_dim) * 5
+    q_norm, k_norm = 1 + 0.1 * torch.randn(head_dim), 1 + 0.1 * torch.randn(head_dim)
+    cos, sin = Rope(head_dim, 1e6).tables(torch.tensor([1, 50, 9000]))
+    normed = torch.cat(
+        (
+            F.rms_norm(qkv[:, :heads], (head_dim,), q_norm, 1e-6),
+            F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), k_norm, 1e-6),
+        ),
+        dim=1,
+    )
+    want = apply_rope(normed, cos, sin)
+    got = qkv.clone()
+    norms = (heads, q_norm.numpy(), k_norm.numpy(), 1e-6)
+    rope_and_store(got.numpy(), cos.numpy(), sin.numpy(), heads + kv_heads, head_norms=norms)
+    assert torch.allclose(got[:, : heads + kv_heads], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, heads + kv_heads :], qkv[:, heads + kv_heads :])
+
+
 def test_rope_and_store_refuses_what_it_cannot_write():
     qkv = np.zeros((1, 5, 64), np.float32)
     table = np.zeros((1, 64), np.float32)
