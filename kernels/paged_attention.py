@@ -328,7 +328,7 @@ if HAS_NUMBA:
 
     @numba.njit(cache=True, parallel=True, fastmath=_FASTMATH)
     def _decode_kernel(
-        q, tables, seq_lens, window, group, page_size, kd, kc, ks, kz, kasym, kbits,
+        q, scale, tables, seq_lens, window, group, page_size, kd, kc, ks, kz, kasym, kbits,
         vd, vc, vs, vz, vasym, vbits, zq, offset_table, has_offset, half_table, heads_per_task, out,
     ):  # fmt: skip
         batch, n_heads, head_dim = q.shape
@@ -345,6 +345,11 @@ if HAS_NUMBA:
             acc = np.zeros((rows, head_dim), dtype=np.float32)
             row = np.empty(head_dim, dtype=np.float32)
             scores = np.empty((rows, page_size), dtype=np.float32)
+            # the task's queries times the softmax scale (float32 products: torch's q * scale)
+            qs = np.empty((rows, head_dim), dtype=np.float32)
+            for j in range(rows):
+                for d in range(head_dim):
+                    qs[j, d] = q[b, h0 * group + j, d] * scale
             for logical in range(lo // page_size, (context + page_size - 1) // page_size):
                 page = tables[b, logical]
                 first = max(logical * page_size, lo) - logical * page_size
@@ -357,14 +362,14 @@ if HAS_NUMBA:
                             for g in range(group):
                                 dot = np.float32(0.0)
                                 for d in range(head_dim):
-                                    dot += q[b, h * group + g, d] * kd[page, slot, h, d]
+                                    dot += qs[hh * group + g, d] * kd[page, slot, h, d]
                                 scores[hh * group + g, slot] = dot
                         else:
                             _load_row(kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row)
                             for g in range(group):
                                 dot = np.float32(0.0)
                                 for d in range(head_dim):
-                                    dot += q[b, h * group + g, d] * row[d]
+                                    dot += qs[hh * group + g, d] * row[d]
                                 scores[hh * group + g, slot] = dot
                 if has_offset:
                     # q . R(key) mu as one more dot product per key (KeyOffset.query_terms)
@@ -490,15 +495,16 @@ def decode_numba_unchecked(
     vd, vc, vs, vz, vasym, vbits = _numba_store(kv.fmt_v, kv.v)
     kv_heads = kv.kv_heads
     k_offset = kv.k_offset
-    qf = (kv.query_for_pages(q) * scale).contiguous()
+    qf = kv.query_for_pages(q)  # scaled in the kernel
     if k_offset is None:
         zq, offset_table = _NO_QUERY_TERMS, _NO_TABLE
     else:
         zq = (k_offset.query_terms(q) * scale).contiguous().numpy()
         offset_table = k_offset.table.float().contiguous().numpy()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = np.empty(q.shape, dtype=np.float32)
     _decode_kernel(
         qf.numpy(),
+        np.float32(scale),
         block_tables,
         seq_lens,
         sliding_window or 0,
@@ -508,9 +514,9 @@ def decode_numba_unchecked(
         zq, offset_table, k_offset is not None,
         _HALF_TABLE,
         _heads_per_task(q.shape[0], kv_heads),
-        out.numpy(),
+        out,
     )  # fmt: skip
-    return kv.output_from_pages(out, q.dtype)
+    return kv.output_from_pages(torch.from_numpy(out), q.dtype)
 
 
 def paged_attention(

@@ -119,7 +119,8 @@ def run_forward_bench(args: Namespace) -> None:
     device = torch.device(getattr(args, "device", "cpu"))
     # int4 is a CPU format; a GPU runs the file's blocks and, side by side, bf16 matrices
     skip = {"int4", "dequant"} if device.type != "cpu" else {"int4"} if path.is_dir() else set()
-    cases = [_folio_case(path, mode, device) for mode in WEIGHT_MODES if mode not in skip]
+    modes = [args.weights] if getattr(args, "weights", None) else WEIGHT_MODES
+    cases = [_folio_case(path, mode, device) for mode in modes if mode not in skip]
     if not args.skip_transformers:
         cases.append(_transformers_case(path, device))
     for case in cases:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.weight_modes import DEFAULT_WEIGHT_MODE
 from engine.units import peak_rss_bytes
 
 PROMPT_TOKENS = 512
@@ -170,9 +171,8 @@ def run_shape_bench(args: Namespace) -> None:
     torch.set_num_threads(threads)
     bound = read_bandwidth(device=device)
     per_token = decode_bytes(path)
-    folio = _in_child(
-        _folio_figures, str(path), args.weights, threads, args.tg, batches, device, prompt
-    )
+    weights = getattr(args, "weights", None) or DEFAULT_WEIGHT_MODE
+    folio = _in_child(_folio_figures, str(path), weights, threads, args.tg, batches, device, prompt)
     folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)
     folio["bound_gb_s"] = round(bound / 1e9, 2)
     folio["decode_bound_tok_s"] = round(bound / per_token, 2)

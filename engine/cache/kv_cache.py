@@ -235,6 +235,16 @@ class KVCache:
         )
         probe = torch.empty(1, 1, head_dim, device=self.device)
         self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
+        # float32 pages on the CPU as numpy views, which kernels.rope writes in place
+        dense = self.device.type == "cpu" and not (self.fmt_k.quantized or self.fmt_v.quantized)
+        self._dense_pages = (
+            [
+                (self.storage.k[i]["data"].numpy(), self.storage.v[i]["data"].numpy())
+                for i in range(num_layers)
+            ]
+            if dense and self.fmt_k.dtype == self.fmt_v.dtype == torch.float32
+            else None
+        )
 
     @classmethod
     def for_model(
@@ -344,6 +354,12 @@ class KVCache:
                 tables.append((inv_freq, table))
             offsets.append(KeyOffset(mean.to(self.device), table.to(self.device)))
         return offsets
+
+    def dense_pages(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Layer ``layer``'s K and V pages as float32 numpy arrays ``[P, S, kv_heads,
+        head_dim]`` when they are stored so (unquantized, on the CPU), for kernels that
+        write a step's rows in place (``kernels.rope.rope_and_store``); else None."""
+        return self._dense_pages[layer] if self._dense_pages is not None else None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
         """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their slots."""

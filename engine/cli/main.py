@@ -126,7 +126,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "(written once, cached): load, RSS, prefill, decode, S_TG, GB/s",
     )
     fwd.add_argument("--quant", choices=("q4_k_m", "q4_0", "q8_0"), default="q4_k_m")
-    fwd.add_argument("--weights", choices=WEIGHT_MODES, default=DEFAULT_WEIGHT_MODE)
+    fwd.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        help=f"only this weight mode (default: every mode; --shape: {DEFAULT_WEIGHT_MODE})",
+    )
     add_device_option(fwd)
     fwd.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
     fwd.add_argument("--tg", type=int, default=128, help="--shape: generated tokens per S_TG case")

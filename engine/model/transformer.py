@@ -23,6 +23,7 @@ from kernels.int4 import Int4Weight, int4_linear
 from kernels.int8 import Int8Weight, int8_linear
 from kernels.quant.device_linear import DeviceBlockEmbedding, DeviceBlockLinear, Uploads
 from kernels.quant.linear import BlockEmbedding, BlockLinear
+from kernels.rope import rope_and_store
 
 
 class Linear:
@@ -135,6 +136,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight).to(x.dtype)
+
+
+def normed_linear(lin, x: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool):
+    """``lin(rms_norm(x, weight, eps))``; a projection over file blocks at decode sizes
+    does the norm in the numba call that quantizes its activations."""
+    if isinstance(lin, BlockLinear) and lin.fuses(x):
+        return lin.normed(x, weight, eps)
+    return lin(rms_norm(x, weight, eps), bf16)
+
+
+def gated_linear(lin, gate_up: torch.Tensor, hidden_act: str, bf16: bool):
+    """``lin(act(gate) * up)`` for ``gate_up = [gate | up]``; a projection over file
+    blocks at decode sizes does the gate in the numba call that quantizes its activations."""
+    gelu = hidden_act == "gelu_tanh"
+    if isinstance(lin, BlockLinear) and lin.fuses(gate_up):
+        return lin.gated(gate_up, gelu)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return lin(gate * up, bf16)
 
 
 @dataclass
@@ -419,38 +439,56 @@ class Transformer:
         self, layer: Layer, index: int, x, batch: StepBatch, cache: KVCache, rope, bf16: bool
     ):
         cfg = self.config
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        h = self._attention(layer, index, h, batch, cache, rope, bf16)
+        h = self._attention(layer, index, x, batch, cache, rope, bf16)
         if layer.post_attn_norm is not None:
             h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
         x = x + h
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        gate, up = layer.gate_up(h, bf16).split(cfg.intermediate_size, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if cfg.hidden_act == "gelu_tanh" else F.silu(gate)
-        h = layer.down(gate * up, bf16)
+        h = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16)
+        h = gated_linear(layer.down, h, cfg.hidden_act, bf16)
         if layer.post_mlp_norm is not None:
             h = rms_norm(h, layer.post_mlp_norm, cfg.rms_norm_eps)
         return x + h
 
     def _attention(
-        self, layer: Layer, index: int, h, batch: StepBatch, cache: KVCache, rope, bf16: bool
+        self, layer: Layer, index: int, x, batch: StepBatch, cache: KVCache, rope, bf16: bool
     ):
+        """Attention of the layer's input ``x`` (normed here), through the paged cache."""
         cfg = self.config
-        t = h.shape[0]
+        t = x.shape[0]
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-        qkv = layer.qkv(h, bf16).view(t, heads + 2 * kv_heads, cfg.head_dim)
-        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
-        if layer.q_norm is not None:
-            qk = torch.cat(
-                (
-                    rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps),
-                    rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps),
-                ),
-                dim=1,
-            )
-        qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
-        q, k = qk[:, :heads], qk[:, heads:]
-        cache.write(index, k, v, batch)
+        qkv = normed_linear(layer.qkv, x, layer.attn_norm, cfg.rms_norm_eps, bf16)
+        qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
+        pages = cache.dense_pages(index)
+        # q/k norms in numba only with file-block weights (already off torch's bits by
+        # their int8 activations): dense weights keep transformers' arithmetic
+        norms = None
+        if layer.q_norm is not None and isinstance(layer.qkv, BlockLinear):
+            norms = (heads, layer.q_norm.numpy(), layer.k_norm.numpy(), cfg.rms_norm_eps)
+        if (
+            pages is not None
+            and (layer.q_norm is None or norms is not None)
+            and qkv.dtype == torch.float32
+        ):
+            # one numba call: q and k heads rotated in place, k and v stored (same bits)
+            cos, sin = rope
+            rope_and_store(
+                qkv.numpy(), cos.numpy(), sin.numpy(), heads + kv_heads, pages,
+                batch.write_pages.numpy(), batch.write_slots.numpy(), norms,
+            )  # fmt: skip
+            q = qkv[:, :heads]
+        else:
+            qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+            if layer.q_norm is not None:
+                qk = torch.cat(
+                    (
+                        rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps),
+                        rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps),
+                    ),
+                    dim=1,
+                )
+            qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
+            q, k = qk[:, :heads], qk[:, heads:]
+            cache.write(index, k, v, batch)
         window = cfg.sliding_window if layer.sliding else None
         out = cache.attend(index, q, batch, cfg.softmax_scale, window)
         return layer.o(out.reshape(t, heads * cfg.head_dim), bf16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.quant.simd import HAS_F16C, f16_to_f32
+from kernels.quant.simd import HAS_F16C, f16_to_f32, u8_pointer
 
 # No fast-math: every rounding step is fixed (the sums that need a vector order are written
 # out in simd.py), so fresh and cached code agree bit for bit.
@@ -48,3 +48,30 @@ def u32(row, off):
         | (np.uint32(row[off + 2]) << np.uint32(16))
         | (np.uint32(row[off + 3]) << np.uint32(24))
     )
+
+
+@numba.njit(**INLINE)
+def byte_row(addr, n):
+    """The ``n`` bytes at ``addr`` as a uint8 array (a row found through a part table)."""
+    return numba.carray(u8_pointer(addr), n)
+
+
+@numba.njit(**INLINE)
+def one_part(w):
+    """The part table (int64 ``[P, 2]``: each part's first-row address and row count) of
+    one weight matrix ``w`` (uint8 ``[N, row bytes]``, C-contiguous)."""
+    parts = np.empty((1, 2), np.int64)
+    parts[0, 0] = w.ctypes.data
+    parts[0, 1] = w.shape[0]
+    return parts
+
+
+@numba.njit(**INLINE)
+def part_of(parts, row):
+    """``(p, base)``: the part holding row ``row`` of a part table, and its first row's
+    index among all the parts' rows."""
+    p, base = 0, 0
+    while p < parts.shape[0] - 1 and row >= base + parts[p, 1]:
+        base += parts[p, 1]
+        p += 1
+    return p, base

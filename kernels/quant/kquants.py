@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numba
 
-from kernels.quant.blocks import INLINE, JIT, half
-from kernels.quant.rows import decode_rows, dequantize_rows
+from kernels.quant.blocks import INLINE, JIT, half, one_part
+from kernels.quant.rows import decode_parts_rows, decode_rows, dequantize_rows
 from kernels.quant.simd import SCALE_KIND_CODES, bitfield, scale_lanes
-from kernels.quant.superblock import KBLOCK_CODES, kblock_rows, one_part
+from kernels.quant.superblock import KBLOCK_CODES, kblock_rows
 
 PARALLEL = {**JIT, "parallel": True}
 _I8 = SCALE_KIND_CODES["i8"]
@@ -175,6 +175,11 @@ def decode_q2_k(w, xq, xs, xsum, out, tasks):
 
 
 @numba.njit(**PARALLEL)
+def decode_parts_q2_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q2_k, 16, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
 def dequant_q2_k(w, first, out32, out16, tasks):
     dequantize_rows(unpack_q2_k, 16, False, w, first, out32, out16, tasks)
 
@@ -182,6 +187,11 @@ def dequant_q2_k(w, first, out32, out16, tasks):
 @numba.njit(**PARALLEL)
 def decode_q3_k(w, xq, xs, xsum, out, tasks):
     decode_rows(unpack_q3_k, 16, False, w, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q3_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q3_k, 16, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -207,6 +217,11 @@ def dequant_q4_k(w, first, out32, out16, tasks):
 @numba.njit(**PARALLEL)
 def decode_q5_k(w, xq, xs, xsum, out, tasks):
     decode_rows(unpack_q5_k, 32, False, w, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q5_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q5_k, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 
 from kernels.quant.blocks import INLINE, JIT, half
-from kernels.quant.rows import decode_rows, dequantize_rows
+from kernels.quant.rows import decode_parts_rows, decode_rows, dequantize_rows
 from kernels.quant.simd import bitfield, bitplane
 
 PARALLEL = {**JIT, "parallel": True}
@@ -90,6 +90,11 @@ def decode_q8_0(w, xq, xs, xsum, out, tasks):
 
 
 @numba.njit(**PARALLEL)
+def decode_parts_q8_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q8_0, 32, True, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
 def dequant_q8_0(w, first, out32, out16, tasks):
     dequantize_rows(unpack_q8_0, 32, True, w, first, out32, out16, tasks)
 
@@ -97,6 +102,11 @@ def dequant_q8_0(w, first, out32, out16, tasks):
 @numba.njit(**PARALLEL)
 def decode_q4_0(w, xq, xs, xsum, out, tasks):
     decode_rows(unpack_q4_0, 32, False, w, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q4_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q4_0, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -110,6 +120,11 @@ def decode_q4_1(w, xq, xs, xsum, out, tasks):
 
 
 @numba.njit(**PARALLEL)
+def decode_parts_q4_1(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q4_1, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
 def dequant_q4_1(w, first, out32, out16, tasks):
     dequantize_rows(unpack_q4_1, 32, False, w, first, out32, out16, tasks)
 
@@ -120,6 +135,11 @@ def decode_q5_0(w, xq, xs, xsum, out, tasks):
 
 
 @numba.njit(**PARALLEL)
+def decode_parts_q5_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q5_0, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
 def dequant_q5_0(w, first, out32, out16, tasks):
     dequantize_rows(unpack_q5_0, 32, False, w, first, out32, out16, tasks)
 
@@ -127,6 +147,11 @@ def dequant_q5_0(w, first, out32, out16, tasks):
 @numba.njit(**PARALLEL)
 def decode_q5_1(w, xq, xs, xsum, out, tasks):
     decode_rows(unpack_q5_1, 32, False, w, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def decode_parts_q5_1(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    decode_parts_rows(unpack_q5_1, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)

@@ -20,27 +20,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels.quant.activations import (
-    ACT_BLOCK,
+    GELU_TANH_GATE,
+    RMS_NORM,
+    SILU_GATE,
     Q8Activations,
     Q8KActivations,
+    prepared_activations,
     quantize_super_blocks,
+    two_level_activations,
 )
-from kernels.quant.blocks import JIT
 from kernels.quant.matmul import (
     DECODE_MAX_ROWS,
-    decode_matmul,
     decode_tasks,
     dequantize_weight,
+    parts_kernel_args,
     prefill_matmul,
 )
 from kernels.quant.registry import ActivationFormat
-from kernels.quant.simd import quantize32
 from kernels.quant.superblock import WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
@@ -116,77 +117,108 @@ class BlockLinear(PartsLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = self._matmul(x2.contiguous())
+        y = self._finish(self._matmul(x2.contiguous()))
+        return y.reshape(*lead, self.out_features)
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             y = y.index_select(1, self.perm)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
+        few enough for the decode kernels (the row count alone decides, as in ``__call__``)."""
+        return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS
+
+    def normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``self(rms_norm(x) * weight)`` for rows that :meth:`fuses`: the norm and the
+        activations' quantization in one numba call."""
+        act = prepared_activations(x.numpy(), RMS_NORM, self._per32, weight.numpy(), eps)
+        return self._finish(self._decode(torch.from_numpy(act.source), act))
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """``self(act(gate) * up)`` (SiLU, or with ``gelu`` tanh-approximated GELU) for
+        ``gate_up = [gate | up]`` rows that :meth:`fuses`: the gate and the activations'
+        quantization in one numba call."""
+        op = GELU_TANH_GATE if gelu else SILU_GATE
+        act = prepared_activations(gate_up.numpy(), op, self._per32)
+        return self._finish(self._decode(torch.from_numpy(act.source), act))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        out = np.empty((rows, self.out_features), np.float32)
         if rows <= DECODE_MAX_ROWS:
-            self._decode(x, out, self._groups, self._per32)
-            return torch.from_numpy(out)
+            return self._decode(x)
+        out = np.empty((rows, self.out_features), np.float32)
         # Q4_K / Q6_K: the decode kernel, DECODE_MAX_ROWS rows a call; each row comes out
         # as decoding it alone would, and sooner than from float32 tiles (where the
-        # dequantized tile costs more than the integer dots it replaces)
-        fused = [g for g in self._groups if g.table is not None]
-        for i in range(0, rows if fused else 0, DECODE_MAX_ROWS):
-            self._decode(x[i : i + DECODE_MAX_ROWS], out[i : i + DECODE_MAX_ROWS], fused, False)
+        # dequantized tile costs more than the integer dots it replaces; not so for the
+        # per-32 types, whose decode kernels unpack into a buffer)
+        chunked = [g for g in self._groups if _super_blocks(g)]
+        for i in range(0, rows if chunked else 0, DECODE_MAX_ROWS):
+            self._decode(
+                x[i : i + DECODE_MAX_ROWS], out=out[i : i + DECODE_MAX_ROWS], groups=chunked
+            )
         # the other types: float32 tiles, exact products of the dequantized weights (bf16
         # tiles round every output to 8 bits of mantissa: SmolLM2's argmax then moved at
         # 2% of the positions of a 512-token text, against none in float32)
         for group in self._groups:
-            if group.table is None:
-                (part,) = group.parts
-                cols = out[:, group.first : group.first + group.columns]
-                cols[:] = (
-                    _float_part(x, part)
-                    if part.is_float
-                    else prefill_matmul(x, part, dtype=torch.float32)
+            if _super_blocks(group):
+                continue
+            cols = out[:, group.first : group.first + group.columns]
+            if group.table is None:  # a float part
+                cols[:] = _float_part(x, group.parts[0]).numpy()
+                continue
+            first = 0
+            for p in group.parts:
+                cols[:, first : first + p.out_features] = prefill_matmul(
+                    x, p, dtype=torch.float32
                 ).numpy()
+                first += p.out_features
         return torch.from_numpy(out)
 
-    def _decode(self, x: torch.Tensor, out: np.ndarray, groups: list[_Group], per32: bool) -> None:
-        """``groups``' columns of ``out`` from two levels of int8 activations (per 32 as
-        well as per 256 when ``per32``): each group of parts in one kernel call that
-        writes its columns (the levels summed in the kernel), the other parts one call
-        each."""
+    def _decode(
+        self,
+        x: torch.Tensor,
+        act: Q8Activations | Q8KActivations | None = None,
+        out: np.ndarray | None = None,
+        groups: list[_Group] | None = None,
+    ) -> torch.Tensor:
+        """Two levels of int8 activations (``act``: already made from ``x``); each group
+        of parts (all, or ``groups``) in one kernel call that writes its columns of the
+        output (``out``, else a new array; the levels summed in the kernel)."""
         rows = x.shape[0]
-        act = (
-            two_level_activations(x.numpy())
-            if per32
-            else quantize_super_blocks(x.numpy(), levels=2)
-        )
-        for group in groups:
+        out = np.empty((rows, self.out_features), np.float32) if out is None else out
+        if act is None:
+            act = (
+                two_level_activations(x.numpy())
+                if self._per32 and groups is None
+                else quantize_super_blocks(x.numpy(), levels=2)
+            )
+        for group in self._groups if groups is None else groups:
             cols = out[:, group.first : group.first + group.columns]
-            if group.table is not None:
-                ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
-                kind = group.parts[0].kind
-                q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
-                levels = 2
-                if wide_pairs(kind.name, rows):
-                    q, levels = ka.wide_q4_k(), WIDE
-                kind.decode_parts(
-                    group.table, group.row_bytes, levels, q, d, bsum, cols, decode_tasks()
-                )
+            if group.table is None:  # a float part
+                cols[:] = _float_part(x, group.parts[0]).numpy()
                 continue
-            (part,) = group.parts
-            if part.is_float:
-                cols[:] = _float_part(x, part).numpy()
-            else:
-                y = decode_matmul(act, part)
-                np.add(y[:rows], y[rows:], out=cols)
+            kind = group.parts[0].kind
+            q, d, xsum = parts_kernel_args(kind, act)
+            levels = 2
+            if wide_pairs(kind.name, rows):
+                ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
+                q, levels = ka.wide_q4_k(), WIDE
+            kind.decode_parts(
+                group.table, group.row_bytes, levels, q, d, xsum, cols, decode_tasks()
+            )
+        return torch.from_numpy(out)
 
 
 @dataclass(frozen=True)
 class _Group:
     """Output columns ``first .. first + columns`` of a :class:`BlockLinear`: consecutive
-    parts of one super-block type, multiplied in one call through their row table
-    (``table``: int64 ``[P, 2]``, each part's first-row address and row count), or a
-    single part of any other type (``table`` None)."""
+    parts of one block type, multiplied in one call through their row table (``table``:
+    int64 ``[P, 2]``, each part's first-row address and row count), or a single float
+    part (``table`` None)."""
 
     parts: tuple[QuantWeight, ...]
     first: int
@@ -195,13 +227,15 @@ class _Group:
     table: np.ndarray | None = None
 
 
+def _super_blocks(group: _Group) -> bool:
+    """Whether the group's kernel reads activations per 256 (Q4_K, Q6_K)."""
+    return group.table is not None and group.parts[0].kind.activation is ActivationFormat.Q8_256
+
+
 def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
     groups: list[_Group] = []
     run: list[QuantWeight] = []
     first = 0
-
-    def fusable(p: QuantWeight) -> bool:
-        return not p.is_float and p.kind.decode_parts is not None and p.data.flags.c_contiguous
 
     def close_run():
         nonlocal first, run
@@ -213,70 +247,17 @@ def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
             run = []
 
     for p in parts:
-        if fusable(p) and (not run or run[0].qtype == p.qtype):
+        if not p.is_float and (not run or run[0].qtype == p.qtype):
             run.append(p)
             continue
         close_run()
-        if fusable(p):
+        if not p.is_float:
             run.append(p)
             continue
         groups.append(_Group((p,), first, p.out_features))
         first += p.out_features
     close_run()
     return groups
-
-
-def two_level_activations(x: np.ndarray) -> Q8Activations:
-    """``x [B, K]`` as int8 activations of ``2B`` rows: ``x`` itself, then what its int8
-    rounding left (``x`` minus the dequantized first rows), so that rows ``b`` and
-    ``B + b`` of a product sum to ``W x_b`` within about 1/127 of the int8 error.
-
-    One level of int8 per 32 is what llama.cpp multiplies by; on SmolLM2 it moved the
-    argmax against exact weights at 4% of the positions of a 512-token text (relative
-    error of the leading logit 0.7%); two levels at none (3e-5). The kernel unpacks each
-    weight row once for all activation rows, so the second level costs dot products, not
-    weight reads. One numba call (three numpy calls and two quantizations took 21 us).
-    The super-block format of the same two levels (Q4_K / Q6_K kernels) is made from
-    ``x`` on first use; a projection of those types alone makes only that one
-    (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    b, k = x.shape
-    if k % ACT_BLOCK:
-        raise ValueError(f"activations must be [B, K] with K a multiple of 32, got {x.shape}")
-    act = Q8Activations(
-        np.empty((2 * b, k), np.int8),
-        np.empty((2 * b, k // 32), np.float32),
-        np.empty((2 * b, k // 16), np.float32),
-        np.empty((2 * b, k // 32), np.float32),
-    )
-    _two_level(x, act.q, act.scale, act.sum16, act.sum32)
-    act.source, act.levels = x, 2
-    return act
-
-
-@numba.njit(**JIT)
-def _two_level(x, q, scale, sum16, sum32):
-    batch, k = x.shape
-    four = np.empty(4, np.float32)
-    rest = np.empty(32, np.float32)
-    for b in range(batch):
-        x_at = x[b].ctypes.data
-        for level in range(2):
-            row = b + level * batch
-            q_at = q[row].ctypes.data
-            for blk in range(k // 32):
-                if level == 0:
-                    src = x_at + 128 * blk
-                else:
-                    d = scale[b, blk]
-                    for i in range(32):
-                        rest[i] = x[b, 32 * blk + i] - np.float32(q[b, 32 * blk + i]) * d
-                    src = rest.ctypes.data
-                quantize32(src, q_at + 32 * blk, four.ctypes.data)
-                scale[row, blk] = four[0]
-                sum16[row, 2 * blk] = four[1]
-                sum16[row, 2 * blk + 1] = four[2]
-                sum32[row, blk] = four[3]
 
 
 def _float_part(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -31,8 +31,9 @@ from kernels.quant.activations import (
     Q8KActivations,
     quantize_activations,
     quantize_super_blocks,
+    two_level_activations,
 )
-from kernels.quant.registry import ActivationFormat
+from kernels.quant.registry import ActivationFormat, QuantType
 from kernels.quant.superblock import FEW_TOKENS, WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
@@ -97,6 +98,17 @@ def decode_matmul(
     xsum = act.sum16 if kind.sub_block == 16 else act.sum32
     kind.decode(w.data, act.q, act.scale, xsum, out, decode_tasks())
     return out
+
+
+def parts_kernel_args(
+    kind: QuantType, act: Q8Activations | Q8KActivations
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, scales, sums) of two-level activations as ``kind.decode_parts`` reads them:
+    per 32 with float sums, or in super-blocks with the paired integer sums."""
+    if kind.activation is ActivationFormat.Q8_256:
+        ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
+        return ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+    return act.q, act.scale, act.sum16 if kind.sub_block == 16 else act.sum32
 
 
 def dequantize_weight(
@@ -197,10 +209,10 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
         raw = np.zeros((1, kind.row_bytes(k)), np.uint8)
         w = QuantWeight.from_raw(raw, qtype, (1, k))
         decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
-        if kind.decode_parts is not None:  # the fused-parts kernel, two levels paired
-            act = quantize_super_blocks(np.zeros((2, k), np.float32), levels=2)
+        if kind.decode_parts is not None:  # the fused-parts kernel, two levels summed
+            act = two_level_activations(np.zeros((2, k), np.float32))
             table = np.array([[w.data.ctypes.data, 1]], np.int64)
-            args = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+            args = parts_kernel_args(kind, act)
             # into a whole output, and into some columns of one (a projection of mixed
             # types: numba compiles each memory layout apart)
             for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):

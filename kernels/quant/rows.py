@@ -25,18 +25,74 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.quant.blocks import INLINE
-from kernels.quant.simd import HOST_ISA, ISA_CODES, expand_codes, float_dot, prefetch, scaled_dot
+from kernels.quant.blocks import INLINE, byte_row, one_part, part_of
+from kernels.quant.simd import (
+    HOST_ISA,
+    ISA_CODES,
+    expand_codes,
+    float_dot,
+    prefetch,
+    scaled_dot,
+)
 
 ISA = ISA_CODES[HOST_ISA]  # a compile-time constant of every kernel (see _cache.py)
 
 
 @numba.njit(**INLINE)
+def _dot_rows(c_at, fw_at, fo_at, sw, signed, xq_at, xq_step, xs_at, xs_step, xsum_at, xsum_step, k, batch, dots, res):  # fmt: skip
+    """``res[b]`` (float32) = the unpacked weight row (codes at ``c_at``, scales ``fw_at``
+    / offsets ``fo_at``) dotted with activation row ``b``, for every ``b < batch``: passes
+    of 4, 2 or 1 rows over the codes, the same bits per row whatever the pass."""
+    n_sub = k // sw
+    dots_at = dots.ctypes.data
+    b = 0
+    while b < batch:
+        x_at, s_at = xq_at + b * xq_step, xs_at + b * xs_step
+        if batch - b >= 4:
+            scaled_dot(
+                c_at, x_at, xq_step, fw_at, s_at, xs_step, k, dots_at, 4, ISA, sw, 32, signed
+            )
+            step = 4
+        elif batch - b >= 2:
+            scaled_dot(
+                c_at, x_at, xq_step, fw_at, s_at, xs_step, k, dots_at, 2, ISA, sw, 32, signed
+            )
+            step = 2
+        else:
+            scaled_dot(
+                c_at, x_at, xq_step, fw_at, s_at, xs_step, k, dots_at, 1, ISA, sw, 32, signed
+            )
+            step = 1
+        for r in range(step):
+            s = dots[r]
+            if not signed:
+                s += float_dot(fo_at, xsum_at + (b + r) * xsum_step, n_sub)
+            res[b + r] = s
+        b += step
+
+
+@numba.njit(**INLINE)
 def decode_rows(unpack, sw, signed, w, xq, xs, xsum, out, tasks):
     """out[b, n] = sum_i w[n, i] * xq[b, i] * xs[b, i // 32] for all b, n (the offsets
-    ``fo`` times ``xsum``, the activations' sums per ``sw``, added per row)."""
-    n_rows, row_bytes = w.shape
+    ``fo`` times ``xsum``, the activations' sums per ``sw``, added per row); ``w``
+    C-contiguous, as a :class:`~kernels.quant.weight.QuantWeight`'s bytes are."""
+    decode_parts_rows(unpack, sw, signed, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**INLINE)
+def decode_parts_rows(unpack, sw, signed, parts, row_bytes, levels, xq, xs, xsum, out, tasks):
+    """:func:`decode_rows` over the rows of several matrices of one type in one call
+    (``parts``: int64 ``[P, 2]``, each part's first-row address and row count, every row
+    ``row_bytes``; the q/k/v or gate/up of a layer, wherever each lies in the mapped
+    file), with ``levels`` levels of activations per token (rows ``t``, ``T + t``, ...
+    of ``xq`` for token ``t < T``, ``T`` the rows of ``out``) summed into ``out[t, n]``
+    in level order (the same bits as adding the rows of :func:`decode_rows`'s output)."""
+    n_parts = parts.shape[0]
+    n_rows = 0
+    for p in range(n_parts):
+        n_rows += parts[p, 1]
     batch, k = xq.shape
+    tokens = out.shape[0]
     n_sub = k // sw
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
@@ -48,74 +104,29 @@ def decode_rows(unpack, sw, signed, w, xq, xs, xsum, out, tasks):
         fw = np.empty(n_sub, np.float32)
         fo = np.empty(n_sub, np.float32)
         dots = np.empty(4, np.float32)
+        res = np.empty(batch, np.float32)
         c_at, fw_at, fo_at = codes.ctypes.data, fw.ctypes.data, fo.ctypes.data
-        dots_at = dots.ctypes.data
-        last = min((t + 1) * per, n_rows)
-        for n in range(t * per, last):
+        first = t * per
+        last = min(first + per, n_rows)
+        p, base = part_of(parts, first)
+        for n in range(first, last):
+            if n - base == parts[p, 1]:
+                base += parts[p, 1]
+                p += 1
+            row_at = parts[p, 0] + (n - base) * row_bytes
             if n + 1 < last:
-                prefetch(w[n + 1].ctypes.data, row_bytes)
-            unpack(w[n], codes, fw, fo)
-            b = 0
-            while b < batch:
-                # 4, 2 or 1 activation rows per pass over the codes: same bits per row
-                x_at, s_at = xq_at + b * xq_step, xs_at + b * xs_step
-                if batch - b >= 4:
-                    scaled_dot(
-                        c_at,
-                        x_at,
-                        xq_step,
-                        fw_at,
-                        s_at,
-                        xs_step,
-                        k,
-                        dots_at,
-                        4,
-                        ISA,
-                        sw,
-                        32,
-                        signed,
-                    )
-                    step = 4
-                elif batch - b >= 2:
-                    scaled_dot(
-                        c_at,
-                        x_at,
-                        xq_step,
-                        fw_at,
-                        s_at,
-                        xs_step,
-                        k,
-                        dots_at,
-                        2,
-                        ISA,
-                        sw,
-                        32,
-                        signed,
-                    )
-                    step = 2
-                else:
-                    scaled_dot(
-                        c_at,
-                        x_at,
-                        xq_step,
-                        fw_at,
-                        s_at,
-                        xs_step,
-                        k,
-                        dots_at,
-                        1,
-                        ISA,
-                        sw,
-                        32,
-                        signed,
-                    )
-                    step = 1
-                for r in range(step):
-                    s = dots[r]
-                    if not signed:
-                        s += float_dot(fo_at, xsum_at + (b + r) * xsum_step, n_sub)
-                    out[b + r, n] = s
-                b += step
+                nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
+                prefetch(nxt, row_bytes)
+            unpack(byte_row(row_at, row_bytes), codes, fw, fo)
+            _dot_rows(
+                c_at, fw_at, fo_at, sw, signed, xq_at, xq_step, xs_at, xs_step, xsum_at,
+                xsum_step, k, batch, dots, res,
+            )  # fmt: skip
+            for b in range(tokens):
+                s = res[b]
+                for level in range(1, levels):
+                    s += res[b + level * tokens]
+                out[b, n] = s
 
 
 @numba.njit(**INLINE)

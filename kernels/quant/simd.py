@@ -55,6 +55,7 @@ __all__ = [
     "quantize256",
     "host_isa",
     "scaled_dot",
+    "u8_pointer",
 ]
 
 ISAS = ("generic", "avx2", "avxvnni", "avx512vnni")
@@ -637,6 +638,18 @@ def quantize32(typingctx, x, q, out):
                 val, builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32)), align=4
             )
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def u8_pointer(typingctx, addr):
+    """The address ``addr`` as a ``uint8*`` (for ``numba.carray``: a weight row found
+    through a part table, kernels.quant.blocks.byte_row)."""
+    sig = types.CPointer(types.uint8)(types.uintp)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(I8))
 
     return sig, codegen
 

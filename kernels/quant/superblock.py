@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.blocks import INLINE
+from kernels.quant.blocks import INLINE, part_of
 from kernels.quant.simd import (
     F32,
     HAS_F16C,
@@ -58,7 +58,7 @@ from kernels.quant.simd import (
     scale_field,
 )
 
-__all__ = ["KBLOCK_CODES", "KBLOCK_KINDS", "kblock_dot", "kblock_rows", "one_part"]
+__all__ = ["KBLOCK_CODES", "KBLOCK_KINDS", "kblock_dot", "kblock_rows"]
 
 ISA = ISA_CODES[HOST_ISA]  # a compile-time constant of every kernel (see _cache.py)
 
@@ -577,16 +577,6 @@ def kblock_pass(
 
 
 @numba.njit(**INLINE)
-def one_part(w):
-    """The :func:`kblock_rows` part table of one weight matrix ``w`` (uint8 ``[N, row
-    bytes]``, C-contiguous)."""
-    parts = np.empty((1, 2), np.int64)
-    parts[0, 0] = w.ctypes.data
-    parts[0, 1] = w.shape[0]
-    return parts
-
-
-@numba.njit(**INLINE)
 def _dots(kind, row_at, nblk, x_at, xd_at, bs_at, steps, dots_at, rows, paired):
     """One pass of :func:`kblock_pass` over ``rows`` (4, 2 or 1) activation rows, the
     literal row count picked at run time (numba needs it at compile time)."""
@@ -676,10 +666,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
         acc_at = acc.ctypes.data
         first = t * per
         last = min(first + per, n_rows)
-        p, base = 0, 0  # the part holding row n, and its first row's index
-        while p < n_parts - 1 and first >= base + parts[p, 1]:
-            base += parts[p, 1]
-            p += 1
+        p, base = part_of(parts, first)
         n = first
         while n < last:
             if n - base == parts[p, 1]:

@@ -48,3 +48,20 @@ def test_shape_bench_prints_figures_of_the_run(tmp_path, smollm2_path):
     assert 0 < folio["weight_bytes"] <= 1.05 * path.stat().st_size
     assert folio["prefill_tok_s"] > 0 and folio["s_tg"]["2"] > 0
     assert folio["peak_rss_bytes"] > folio["weight_bytes"]
+
+
+def test_forward_bench_runs_only_the_weight_mode_asked_for(tmp_path, smollm2_path, capsys):
+    """Without --shape, --weights picks one weight mode (else every mode is measured)."""
+    from argparse import Namespace
+
+    from engine.bench.forward import run_forward_bench
+
+    path = shapes.make_shape_gguf("tiny-llama", "q8_0", tmp_path, vocab_source=smollm2_path)
+    args = Namespace(
+        model=path, weights="dequant", skip_transformers=True, rounds=1, prefill_tokens=4,
+        decode_tokens=2, device="cpu",
+    )  # fmt: skip
+    run_forward_bench(args)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["engine"], r["weights"]) for r in records] == [("folio", "dequant")]
+    assert records[0]["decode_tokens_per_s"] > 0

@@ -19,6 +19,7 @@ from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
 from kernels.quant.reference import reference_dequantize
+from kernels.quant.registry import ActivationFormat
 
 Q = GGMLQuantizationType
 K = 512
@@ -106,36 +107,36 @@ def test_k_quant_only_projections_skip_the_per_32_format():
         decode_matmul(quantize_super_blocks(x.numpy()), _weight(Q.Q8_0, 32, 3)[0])
 
 
-def test_consecutive_super_block_parts_are_one_call():
-    """Runs of parts of one super-block type (q/k as Q4_K, v as Q6_K in a Q4_K_M layer)
-    are multiplied in one kernel call over their row tables, each run writing its own
-    columns with the two levels summed in the kernel: the same bits as each part alone,
-    and (other types) as the sum of the two levels' products."""
-    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_K, Q.Q4_K)
+def test_consecutive_parts_of_one_type_are_one_call():
+    """Runs of parts of one block type (q/k as Q4_K, v as Q6_K in a Q4_K_M layer; q/k/v
+    all Q4_1 in SmolLM2's file) are multiplied in one kernel call over their row tables,
+    each run writing its own columns with the two levels summed in the kernel: the same
+    bits as each part alone, and (per-32 types) as the sum of the two levels' products."""
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q8_0, Q.Q4_K, Q.Q4_K)
     parts = [_weight(qt, 32 + 16 * i, seed=10 + i)[0] for i, qt in enumerate(qtypes)]
     lin = BlockLinear(parts)
     runs = [(g.first, g.columns, [p.qtype for p in g.parts]) for g in lin._groups]
     assert runs == [
         (0, 80, [Q.Q4_K, Q.Q4_K]),
         (80, 64, [Q.Q6_K]),
-        (144, 80, [Q.Q8_0]),
-        (224, 208, [Q.Q4_K, Q.Q4_K]),
+        (144, 176, [Q.Q8_0, Q.Q8_0]),
+        (320, 240, [Q.Q4_K, Q.Q4_K]),
     ]
-    assert [g.table is not None for g in lin._groups] == [True, True, False, True]
     for b in (1, 2, 3, 5):
         x = torch.randn(b, K)
         alone = torch.cat([BlockLinear([p])(x) for p in parts], dim=1)
         assert torch.equal(lin(x), alone)
         act = two_level_activations(x.numpy())
-        y = decode_matmul(act, parts[3])
-        assert torch.equal(alone[:, 144:224], torch.from_numpy(y[:b] + y[b:]))
+        y = np.concatenate([decode_matmul(act, p) for p in parts[3:5]], axis=1)
+        assert torch.equal(alone[:, 144:320], torch.from_numpy(y[:b] + y[b:]))
     # a prompt's rows: the super-block runs through the decode kernel, DECODE_MAX_ROWS
-    # rows a call (row by row the same bits), the Q8_0 part through float32 tiles
+    # rows a call (row by row the same bits), the Q8_0 parts through float32 tiles
     x = torch.randn(2 * DECODE_MAX_ROWS + 3, K)
     got = lin(x)
     rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
-    assert torch.equal(got[:, :144], rows[:, :144]) and torch.equal(got[:, 224:], rows[:, 224:])
-    assert torch.equal(got[:, 144:224], prefill_matmul(x, parts[3], dtype=torch.float32))
+    assert torch.equal(got[:, :144], rows[:, :144]) and torch.equal(got[:, 320:], rows[:, 320:])
+    tiles = [prefill_matmul(x, p, dtype=torch.float32) for p in parts[3:5]]
+    assert torch.equal(got[:, 144:320], torch.cat(tiles, dim=1))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])
@@ -166,7 +167,7 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     decode = lin(x[:7])
     assert ((decode - exact[:7]).abs() / scale[:7]).max() < 1e-4
     prefill = lin(x)  # more rows than one decode call takes
-    if all(p.kind.decode_parts is not None for p in parts):
+    if all(p.kind.activation is ActivationFormat.Q8_256 for p in parts):
         # Q4_K / Q6_K: the decode kernel in chunks, each row as decoding it alone gives
         assert torch.equal(prefill, torch.cat([lin(x[i : i + 1]) for i in range(len(x))]))
         assert ((prefill - exact).abs() / scale).max() < 1e-4
@@ -205,3 +206,68 @@ def test_embedding_rows_are_the_dequantized_rows(qtype):
     assert table(torch.tensor([], dtype=torch.long)).shape == (0, K)
     with pytest.raises(IndexError, match="vocabulary"):
         table(torch.tensor([200]))
+
+
+@pytest.mark.parametrize("per32", [True, False])
+def test_prepared_activations_quantize_the_op_they_compute(per32):
+    """The norm before q/k/v or gate/up, and the gate before down, computed in the numba
+    call that quantizes them: the float rows within float32 rounding of torch's ops, the
+    codes exactly those of quantizing those rows, each row the same alone as in a batch."""
+    import torch.nn.functional as F
+
+    from kernels.quant.activations import (
+        GELU_TANH_GATE,
+        RMS_NORM,
+        SILU_GATE,
+        prepared_activations,
+    )
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, K)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    gate_up = rng.standard_normal((3, 2 * K)).astype(np.float32) * 2
+    g, u = torch.from_numpy(gate_up).split(K, dim=-1)
+    cases = [
+        (x, RMS_NORM, F.rms_norm(torch.from_numpy(x), (K,), torch.from_numpy(w), 1e-5)),
+        (gate_up, SILU_GATE, F.silu(g) * u),
+        (gate_up, GELU_TANH_GATE, F.gelu(g, approximate="tanh") * u),
+    ]
+    for rows, op, want in cases:
+        act = prepared_activations(rows, op, per32, w if op == RMS_NORM else None, 1e-5)
+        assert np.allclose(act.source, want.numpy(), rtol=1e-5, atol=1e-6), op
+        again = (
+            two_level_activations(act.source)
+            if per32
+            else quantize_super_blocks(act.source, levels=2)
+        )
+        assert np.array_equal(act.q, again.q), op
+        alone = prepared_activations(rows[1:2], op, per32, w if op == RMS_NORM else None, 1e-5)
+        assert np.array_equal(alone.source[0], act.source[1]), op
+    with pytest.raises(ValueError, match="weight of shape"):
+        prepared_activations(x, RMS_NORM, per32, w[:32])
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K)])
+def test_normed_and_gated_projections_equal_the_ops_then_the_projection(qtypes):
+    """`BlockLinear.normed` / `gated` (the model's decode path): the projection of the
+    norm's or the gate's output to the error of its int8 activations, and each row the
+    same bits alone as in any batch."""
+    import torch.nn.functional as F
+
+    parts = [_weight(qt, 48, seed=30 + i)[0] for i, qt in enumerate(qtypes)]
+    lin = BlockLinear(parts)
+    torch.manual_seed(3)
+    x = torch.randn(5, K) * 2
+    w = 1 + 0.1 * torch.randn(K)
+    gate_up = torch.randn(5, 2 * K)
+    assert lin.fuses(x) and not lin.fuses(torch.randn(DECODE_MAX_ROWS + 1, K))
+    g, u = gate_up.split(K, dim=-1)
+    for got, want in (
+        (lin.normed(x, w, 1e-6), lin(F.rms_norm(x, (K,), w, 1e-6))),
+        (lin.gated(gate_up, gelu=False), lin(F.silu(g) * u)),
+        (lin.gated(gate_up, gelu=True), lin(F.gelu(g, approximate="tanh") * u)),
+    ):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+    for b in (1, 2, 4):
+        assert torch.equal(lin.normed(x[b : b + 1], w, 1e-6)[0], lin.normed(x, w, 1e-6)[b])
+        assert torch.equal(lin.gated(gate_up[b : b + 1], True)[0], lin.gated(gate_up, True)[b])

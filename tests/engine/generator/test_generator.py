@@ -72,19 +72,27 @@ def test_batching_is_invisible_on_a_tiny_model(tiny):
     assert gen.pages.counters.evictions > 0, "no page was evicted: the test does not test eviction"
 
 
-def test_batching_is_invisible_on_smollm2(smollm2_int4):
-    requests = _varied_requests(16, smollm2_int4.config.vocab_size, seed=1, max_new=12)
+def _assert_batching_is_invisible_on_smollm2(loaded):
+    requests = _varied_requests(16, loaded.config.vocab_size, seed=1, max_new=12)
     # Same chunk size alone and batched: a chunk's row count picks the int4 kernel or
     # the exact dense path (kernels differ in rounding), so the chunking must match;
     # chunked prefill itself is covered on the tiny model above.
-    alone = [
-        run_alone(smollm2_int4, r, tokens=4096, max_chunk_size=128).token_ids[0] for r in requests
-    ]
+    alone = [run_alone(loaded, r, tokens=4096, max_chunk_size=128).token_ids[0] for r in requests]
     batched, gen, skipped = _batched(
-        smollm2_int4, requests, tokens=320, max_batch_size=4, max_chunk_size=128
+        loaded, requests, tokens=320, max_batch_size=4, max_chunk_size=128
     )
     assert [r.token_ids[0] for r in batched] == alone
     assert skipped and gen.pages.counters.evictions > 0
+
+
+def test_batching_is_invisible_on_smollm2(smollm2_int4):
+    _assert_batching_is_invisible_on_smollm2(smollm2_int4)
+
+
+def test_batching_is_invisible_on_smollm2_native(smollm2_native):
+    """The default mode's decode rows (norm, gate and RoPE fused into numba calls, the
+    file's blocks multiplied per row) give each sequence the same tokens in any batch."""
+    _assert_batching_is_invisible_on_smollm2(smollm2_native)
 
 
 def _chat_ids(tokenizer, system: str, user: str) -> list[int]:
