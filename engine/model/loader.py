@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine import allocator
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFError, GGUFFile
@@ -129,6 +130,7 @@ def load_model(
         raise ModelLoadError(f"{path}: no such model file or folder")
     start = time.perf_counter()
     report = progress or (lambda fraction, what: None)
+    allocator.map_large_blocks()  # activations freed go back to the system (engine/allocator.py)
     if path.is_dir():
         loaded = _load_hf_folder(path, dtype, report)
     elif path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
@@ -156,6 +158,7 @@ def load_model(
     if load_tokenizer:
         report(0.95, "tokenizer")
         loaded.tokenizer = _load_tokenizer(loaded)
+    allocator.release_free_memory()  # what parsing the header and the tokenizer left
     loaded.load_seconds = time.perf_counter() - start
     report(1.0, "ready")
     return loaded

@@ -427,7 +427,11 @@ class Transformer:
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
         gate, up = layer.gate_up(h, bf16).split(cfg.intermediate_size, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if cfg.hidden_act == "gelu_tanh" else F.silu(gate)
-        h = layer.down(gate * up, bf16)
+        # the product in place, and the fused output freed before the down projection (a
+        # 512-token prefill at the Llama-3.2-1B shape: 16 + 32 MiB fewer live then)
+        h = gate.mul_(up)
+        del gate, up
+        h = layer.down(h, bf16)
         if layer.post_mlp_norm is not None:
             h = rms_norm(h, layer.post_mlp_norm, cfg.rms_norm_eps)
         return x + h

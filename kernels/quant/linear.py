@@ -124,15 +124,21 @@ class BlockLinear(PartsLinear):
         rows = x.shape[0]
         if rows <= DECODE_MAX_ROWS:
             return self._decode(x)
-        else:
-            # float32 tiles: exact products of the dequantized weights (bf16 tiles round
-            # every output to 8 bits of mantissa: SmolLM2's argmax then moved at 2% of
-            # the positions of a 512-token text, against none in float32)
-            outs = [
-                _float_part(x, p) if p.is_float else prefill_matmul(x, p, dtype=torch.float32)
-                for p in self.parts
-            ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        # float32 tiles: exact products of the dequantized weights (bf16 tiles round
+        # every output to 8 bits of mantissa: SmolLM2's argmax then moved at 2% of
+        # the positions of a 512-token text, against none in float32). Each part into
+        # its columns of one output, not concatenated after (at a 512-token prefill of
+        # the Qwen2-7B shape, gate and up are 78 MB, which a copy would double).
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        first = 0
+        for p in self.parts:
+            cols = out[:, first : first + p.shape[0]]
+            if p.is_float:
+                cols.copy_(_float_part(x, p))
+            else:
+                prefill_matmul(x, p, dtype=torch.float32, out=cols)
+            first += p.shape[0]
+        return out
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
         """Two levels of int8 activations; each group of parts in one kernel call that

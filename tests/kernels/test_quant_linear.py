@@ -8,7 +8,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.quant import DECODE_MAX_ROWS, QuantWeight, decode_matmul, quantize_activations
+from kernels.quant import (
+    DECODE_MAX_ROWS,
+    QuantWeight,
+    decode_matmul,
+    prefill_matmul,
+    quantize_activations,
+)
 from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
@@ -187,3 +193,16 @@ def test_embedding_rows_are_the_dequantized_rows(qtype):
     assert table(torch.tensor([], dtype=torch.long)).shape == (0, K)
     with pytest.raises(IndexError, match="vocabulary"):
         table(torch.tensor([200]))
+
+
+def test_prefill_writes_into_the_columns_it_is_given():
+    """``prefill_matmul(..., out=)`` into a column view of a wider output (how a projection
+    of several parts fills one output instead of concatenating copies): those columns hold
+    what a fresh output would, the others are untouched."""
+    w, _ = _weight(Q.Q4_K, 96, seed=5)
+    x = torch.randn(DECODE_MAX_ROWS + 5, K)
+    out = torch.full((x.shape[0], 160), 7.0)
+    got = prefill_matmul(x, w, dtype=torch.float32, out=out[:, 32:128])
+    assert got.data_ptr() == out[:, 32:128].data_ptr()
+    assert torch.equal(out[:, 32:128], prefill_matmul(x, w, dtype=torch.float32))
+    assert (out[:, :32] == 7).all() and (out[:, 128:] == 7).all()
