@@ -1,14 +1,16 @@
-"""The C allocator's habits that cost a loaded model memory it does not use (glibc on
-Linux; elsewhere these do nothing).
+"""Free memory that glibc's malloc keeps, handed back to the system (Linux with glibc;
+elsewhere nothing happens).
 
-glibc maps a block of 128 KB or more on its own and unmaps it when freed, but each such
-free raises the size from which blocks are mapped, up to 32 MB. After a model's first
-prefill, the activations of every later one (4-32 MB each at the Llama-3.2-1B shape: torch
-has no caching allocator on the CPU) come from the heap instead, and the heap keeps its
-freed middle resident: measured at that shape, a 4,096-token cache, 512-token prefills,
-the process grew by 10-130 MB after prefilling (more when other work shared the cores)
-and its peak moved with it. With the size fixed (:data:`MAP_FROM_BYTES`), large blocks
-go back to the system when freed and the peak is what is live, run after run.
+glibc returns freed memory inside its heap only when the top of the heap is free; freed
+blocks in the middle stay resident. Loading a model leaves such holes: the header's
+vocabulary and the tokenizer's JSON are parsed and dropped while longer-lived objects
+are allocated around them (about 18 MB at a 128k-token vocabulary).
+
+Not done here, measured at the Llama-3.2-1B shape: fixing glibc's mmap threshold at 4 MB,
+so that prefill's activations are unmapped when freed rather than kept in the heap, took
+43 MB off the peak RSS of a 512-token prefill but cost 0.3-0.6 million more page faults
+per prefill (1.1 us each, measured with other work on the machine: up to a tenth of a
+6 s prefill); a threshold of 8 or 16 MB took nothing off.
 """
 
 from __future__ import annotations
@@ -16,15 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-
-# mallopt's parameter numbers (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-# Blocks from this size up are mapped apart and unmapped when freed. Decode's activations
-# are far smaller, so decode still reuses heap memory; prefill's mapped blocks cost page
-# faults on each use, measured with `folio bench forward --shape` (docs/ENGINE.md).
-MAP_FROM_BYTES = 4 << 20
 
 
 @functools.cache
@@ -40,20 +33,8 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def map_large_blocks() -> bool:
-    """Fix the size from which blocks are mapped at :data:`MAP_FROM_BYTES` (glibc; idempotent).
-    True when set."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    # the top of the heap is given back above twice that, as glibc's own rule would set it
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MAP_FROM_BYTES)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * MAP_FROM_BYTES)
-    )
-
-
 def release_free_memory() -> bool:
-    """Give the free pages inside the heap back to the system (glibc's ``malloc_trim``):
-    what parsing left behind, e.g. a tokenizer's JSON. True when some were released."""
+    """Give the wholly free pages inside the heap back to the system (glibc's
+    ``malloc_trim``). True when some were released."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False

@@ -130,7 +130,6 @@ def load_model(
         raise ModelLoadError(f"{path}: no such model file or folder")
     start = time.perf_counter()
     report = progress or (lambda fraction, what: None)
-    allocator.map_large_blocks()  # activations freed go back to the system (engine/allocator.py)
     if path.is_dir():
         loaded = _load_hf_folder(path, dtype, report)
     elif path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
