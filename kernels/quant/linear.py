@@ -129,6 +129,8 @@ class BlockLinear(PartsLinear):
         # the positions of a 512-token text, against none in float32). Each part into
         # its columns of one output, not concatenated after (at a 512-token prefill of
         # the Qwen2-7B shape, gate and up are 78 MB, which a copy would double).
+        if len(self.parts) == 1 and self.parts[0].is_float:
+            return _float_part(x, self.parts[0])
         out = torch.empty((rows, self.out_features), dtype=torch.float32)
         first = 0
         for p in self.parts:
