@@ -37,18 +37,31 @@ def format_bytes(
     return f"{n / base**power:.{_DECIMALS[unit]}f} {unit}"
 
 
+def rss_bytes() -> int | None:
+    """This process's resident memory now: ``VmRSS`` of /proc/self/status (Linux; None
+    elsewhere)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory since it started its program: ``VmHWM`` of
     /proc/self/status (Linux). Not getrusage's ``ru_maxrss``, which survives ``exec``:
     a child started from a large process reports the parent's size until it grows past
     it. Elsewhere, ``ru_maxrss`` (bytes on macOS, KiB on Linux and BSD)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
     import sys
 

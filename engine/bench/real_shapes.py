@@ -7,8 +7,13 @@ shapes and types, not on trained values). Each engine runs in its own process so
 its peak RSS is its own. Figures, one JSON object each:
 
 * ``load_s`` (page cache warm: the file is read once before), ``peak_rss_bytes`` (the
-  process, with the model and a 4,096-token cache, through prefill and decode);
-* ``first_token_s``: a 32-token prompt to its first token, right after loading;
+  process, with the model and a 4,096-token cache, through prefill and decode), and where
+  it went: ``rss_loaded_bytes`` (after loading, tokenizer included), ``kv_cache_bytes``,
+  and ``peak_over_file_and_kv_bytes`` (the peak less the file and the cache: Python,
+  torch, numba, the kernels, the tokenizer and the activations);
+* ``first_token_s``: a 32-token prompt to its first token, right after loading (the
+  kernels read from numba's cache on first use, as in a user's second start: a child
+  before the measured one compiles what the model needs, once per machine and version);
 * ``prefill_tok_s`` (512 tokens), ``decode_tok_s`` (batch 1), ``s_tg`` at B=4 and B=16
   (llama-batched-bench's PP/TG/B table, different prompts);
 * ``decode_gb_s``: the weight bytes one decode token reads (every matrix but the
@@ -77,13 +82,12 @@ def _folio_figures(
     from engine.bench.forward import decode_graphs_for, prefill_then_decode
     from engine.cache.kv_cache import CacheSettings, KVCache
     from engine.model.loader import load_model
-    from kernels.quant import warm_up
+    from engine.units import rss_bytes
 
-    if device == "cpu":
-        warm_up()  # numba's cache: compiled once per machine, not part of loading a model
     t = time.perf_counter()
     loaded = load_model(path, weight_mode=weights, device=device)
     load_s = time.perf_counter() - t
+    rss_loaded = rss_bytes()
     tokens = max(4096, prompt_tokens + 256)
     cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=tokens))
     graphs = decode_graphs_for(loaded, cache)  # captured by the first run, not timed again
@@ -118,7 +122,26 @@ def _folio_figures(
         "decode_tok_s": round(32 / min(decode_s, decode_s2), 2),
         "s_tg": s_tg,
         "peak_rss_bytes": peak_rss,
+        "rss_loaded_bytes": rss_loaded,
+        "kv_cache_bytes": cache.nbytes(),
+        "peak_over_file_and_kv_bytes": peak_rss - Path(path).stat().st_size - cache.nbytes(),
     }
+
+
+def _compile_kernels(path: str, weights: str, device: str) -> None:
+    """In a child process: every kernel a prompt, a prefill and decoding take on this
+    model, compiled into numba's on-disk cache if it is not there yet (nothing on a GPU)."""
+    if device != "cpu":
+        return
+    from engine.bench.forward import prefill_then_decode
+    from engine.cache.kv_cache import CacheSettings, KVCache
+    from engine.model.loader import load_model
+    from kernels.quant import DECODE_MAX_ROWS
+
+    loaded = load_model(path, weight_mode=weights, load_tokenizer=False)
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=512))
+    prefill_then_decode(loaded, cache, FIRST_TOKEN_PROMPT, 2)
+    prefill_then_decode(loaded, cache, DECODE_MAX_ROWS + 8, 2)
 
 
 def _in_child(fn, *args):
@@ -172,6 +195,7 @@ def run_shape_bench(args: Namespace) -> None:
     bound = read_bandwidth(device=device)
     per_token = decode_bytes(path)
     weights = getattr(args, "weights", None) or DEFAULT_WEIGHT_MODE
+    _in_child(_compile_kernels, str(path), weights, device)
     folio = _in_child(_folio_figures, str(path), weights, threads, args.tg, batches, device, prompt)
     folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)
     folio["bound_gb_s"] = round(bound / 1e9, 2)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine import allocator
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFError, GGUFFile
@@ -156,6 +157,7 @@ def load_model(
     if load_tokenizer:
         report(0.95, "tokenizer")
         loaded.tokenizer = _load_tokenizer(loaded)
+    allocator.release_free_memory()  # what parsing the header and the tokenizer left
     loaded.load_seconds = time.perf_counter() - start
     report(1.0, "ready")
     return loaded

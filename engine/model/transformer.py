@@ -154,7 +154,7 @@ def gated_linear(lin, gate_up: torch.Tensor, hidden_act: str, bf16: bool):
         return lin.gated(gate_up, gelu)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-    return lin(gate * up, bf16)
+    return lin(gate.mul_(up), bf16)  # in place: the activation's output is its own
 
 
 @dataclass

@@ -170,11 +170,10 @@ class BlockLinear(PartsLinear):
             if group.table is None:  # a float part
                 cols[:] = _float_part(x, group.parts[0]).numpy()
                 continue
-            first = 0
+            first = 0  # each part into its columns (a copy of gate and up would double them)
             for p in group.parts:
-                cols[:, first : first + p.out_features] = prefill_matmul(
-                    x, p, dtype=torch.float32
-                ).numpy()
+                part_cols = torch.from_numpy(cols[:, first : first + p.out_features])
+                prefill_matmul(x, p, dtype=torch.float32, out=part_cols)
                 first += p.out_features
         return torch.from_numpy(out)
 

@@ -148,14 +148,19 @@ def prefill_tile_rows(k: int, dtype: torch.dtype) -> int:
 
 
 def prefill_matmul(
-    x: torch.Tensor, w: QuantWeight, tile_rows: int | None = None, dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    w: QuantWeight,
+    tile_rows: int | None = None,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 ``[B, N]`` through dequantized weight tiles and torch's GEMM."""
+    """float32 ``[B, N]`` through dequantized weight tiles and torch's GEMM; into ``out``
+    (float32 ``[B, N]``, a view of a wider output) when given."""
     dtype = dtype or prefill_dtype()
     n, k = w.shape
     tile_rows = tile_rows or prefill_tile_rows(k, dtype)
     xd = x.to(dtype)
-    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    out = torch.empty((x.shape[0], n), dtype=torch.float32) if out is None else out
     buf = torch.empty((min(tile_rows, n), k), dtype=dtype)
     for first in range(0, n, tile_rows):
         rows = min(tile_rows, n - first)

@@ -48,6 +48,12 @@ def test_shape_bench_prints_figures_of_the_run(tmp_path, smollm2_path):
     assert 0 < folio["weight_bytes"] <= 1.05 * path.stat().st_size
     assert folio["prefill_tok_s"] > 0 and folio["s_tg"]["2"] > 0
     assert folio["peak_rss_bytes"] > folio["weight_bytes"]
+    # where the peak went: the file's pages, the cache's, and the rest
+    assert 0 < folio["rss_loaded_bytes"] <= folio["peak_rss_bytes"]
+    assert folio["kv_cache_bytes"] > 0
+    assert folio["peak_over_file_and_kv_bytes"] == (
+        folio["peak_rss_bytes"] - folio["file_bytes"] - folio["kv_cache_bytes"]
+    )
 
 
 def test_forward_bench_runs_only_the_weight_mode_asked_for(tmp_path, smollm2_path, capsys):

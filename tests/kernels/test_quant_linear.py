@@ -271,3 +271,16 @@ def test_normed_and_gated_projections_equal_the_ops_then_the_projection(qtypes):
     for b in (1, 2, 4):
         assert torch.equal(lin.normed(x[b : b + 1], w, 1e-6)[0], lin.normed(x, w, 1e-6)[b])
         assert torch.equal(lin.gated(gate_up[b : b + 1], True)[0], lin.gated(gate_up, True)[b])
+
+
+def test_prefill_writes_into_the_columns_it_is_given():
+    """``prefill_matmul(..., out=)`` into a column view of a wider output (how a projection
+    of several parts fills one output instead of concatenating copies): those columns hold
+    what a fresh output would, the others are untouched."""
+    w, _ = _weight(Q.Q4_K, 96, seed=5)
+    x = torch.randn(DECODE_MAX_ROWS + 5, K)
+    out = torch.full((x.shape[0], 160), 7.0)
+    got = prefill_matmul(x, w, dtype=torch.float32, out=out[:, 32:128])
+    assert got.data_ptr() == out[:, 32:128].data_ptr()
+    assert torch.equal(out[:, 32:128], prefill_matmul(x, w, dtype=torch.float32))
+    assert (out[:, :32] == 7).all() and (out[:, 128:] == 7).all()
