@@ -42,7 +42,6 @@ from kernels.quant.matmul import (
     prefill_matmul,
 )
 from kernels.quant.registry import ActivationFormat
-from kernels.quant.superblock import WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
 
@@ -201,14 +200,8 @@ class BlockLinear(PartsLinear):
                 cols[:] = _float_part(x, group.parts[0]).numpy()
                 continue
             kind = group.parts[0].kind
-            q, d, xsum = parts_kernel_args(kind, act)
-            levels = 2
-            if wide_pairs(kind.name, rows):
-                ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
-                q, levels = ka.wide_q4_k(), WIDE
-            kind.decode_parts(
-                group.table, group.row_bytes, levels, q, d, xsum, cols, decode_tasks()
-            )
+            levels, *args = parts_kernel_args(kind, act, rows)
+            kind.decode_parts(group.table, group.row_bytes, levels, *args, cols, decode_tasks())
         return torch.from_numpy(out)
 
 

@@ -30,7 +30,6 @@ from kernels.quant.activations import (
     Q8Activations,
     Q8KActivations,
     quantize_activations,
-    quantize_super_blocks,
     two_level_activations,
 )
 from kernels.quant.registry import ActivationFormat, QuantType
@@ -101,14 +100,19 @@ def decode_matmul(
 
 
 def parts_kernel_args(
-    kind: QuantType, act: Q8Activations | Q8KActivations
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(codes, scales, sums) of two-level activations as ``kind.decode_parts`` reads them:
-    per 32 with float sums, or in super-blocks with the paired integer sums."""
-    if kind.activation is ActivationFormat.Q8_256:
-        ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
-        return ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
-    return act.q, act.scale, act.sum16 if kind.sub_block == 16 else act.sum32
+    kind: QuantType, act: Q8Activations | Q8KActivations, tokens: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(levels, codes, scales, sums) of ``tokens`` rows of two-level activations as
+    ``kind.decode_parts`` reads them: per 32 with float sums, or in super-blocks with the
+    paired integer sums, the codes as int16 where :func:`~kernels.quant.superblock.
+    wide_pairs` says so (``levels`` WIDE, else 2)."""
+    if kind.activation is not ActivationFormat.Q8_256:
+        return 2, act.q, act.scale, act.sum16 if kind.sub_block == 16 else act.sum32
+    ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
+    q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+    if wide_pairs(kind.name, tokens):
+        return WIDE, ka.wide_q4_k(), d, bsum
+    return 2, q, d, bsum
 
 
 def dequantize_weight(
@@ -215,23 +219,19 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
         w = QuantWeight.from_raw(raw, qtype, (1, k))
         decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
         if kind.decode_parts is not None:  # the fused-parts kernel, two levels summed
-            act = two_level_activations(np.zeros((2, k), np.float32))
             table = np.array([[w.data.ctypes.data, 1]], np.int64)
-            args = parts_kernel_args(kind, act)
-            # into a whole output, and into some columns of one (a projection of mixed
-            # types: numba compiles each memory layout apart)
-            for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):
-                kind.decode_parts(table, w.data.shape[1], 2, *args, out, decode_tasks())
-            tokens = FEW_TOKENS + 1
-            if wide_pairs(kind.name, tokens):  # int16 activations: another signature
-                act = quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
-                _, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+            # a few tokens, and (int16 activations: another signature) more, where taken
+            for tokens in (2, FEW_TOKENS + 1):
+                if tokens > 2 and not wide_pairs(kind.name, tokens):
+                    continue
+                act = two_level_activations(np.zeros((tokens, k), np.float32))
+                levels, *args = parts_kernel_args(kind, act, tokens)
+                # into a whole output, and into some columns of one (a projection of
+                # mixed types: numba compiles each memory layout apart)
                 for out in (
                     np.empty((tokens, 1), np.float32),
                     np.empty((tokens, 2), np.float32)[:, :1],
                 ):
-                    kind.decode_parts(
-                        table, w.data.shape[1], WIDE, act.wide_q4_k(), d, bsum, out, decode_tasks()
-                    )
+                    kind.decode_parts(table, w.data.shape[1], levels, *args, out, decode_tasks())
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)
