@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numba
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -103,7 +102,7 @@ def _nibbles(builder, qs_addrs: list):
 
 
 def _fifth_bits(builder, codes, qh_addrs: list):
-    """``codes`` with 16 added where bit ``e`` of the block's little-endian ``qh`` is set
+    """``codes`` with 16 or-ed in where bit ``e`` of the block's little-endian ``qh`` is set
     (Q5_0 / Q5_1): the bits as a lane mask (``vpmovm2b`` / a masked move on AVX-512)."""
     n = len(qh_addrs)
     bits = builder.zext(_load(builder, qh_addrs[0], I32), ir.IntType(32 * n))
@@ -115,6 +114,13 @@ def _fifth_bits(builder, codes, qh_addrs: list):
         mask, ir.Constant(_vec(I8, 32 * n), [16] * (32 * n)), ir.Constant(_vec(I8, 32 * n), None)
     )
     return builder.or_(codes, sixteen)
+
+
+def _widen(builder, v):
+    """A float vector of fewer than 16 lanes as 16, the others 0."""
+    n = v.type.count
+    index = list(range(n)) + [n] * (16 - n)
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 16), index))
 
 
 @dataclass(frozen=True)
@@ -170,48 +176,62 @@ BLOCK32_CODES = {k.name: code for code, k in BLOCK32_KINDS.items()}
 
 
 @intrinsic
-def block32_pass(typingctx, row, nblk, x, x_step, xd, xd_step, xs, xs_step, out, rows, isa, kind):
-    """For ``r < rows``: ``out[r]`` (float32 at ``out``) = the dot product of the weight
-    row at ``row`` (``nblk`` blocks of ``kind``, a :data:`BLOCK32_CODES` value) with
-    activation row ``r`` per 32 (:class:`~kernels.quant.activations.Q8Activations`): int8
-    at ``x + r * x_step``, float32 scales at ``xd + r * xd_step``, float32 sums at
-    ``xs + r * xs_step``. ``rows`` (1, 2 or 4), ``isa`` and ``kind`` are compile-time.
+def block32_pass(
+    typingctx, row, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
+    tokens, levels, isa, kind
+):  # fmt: skip
+    """For ``j < tokens``: the float32 at ``out + j * out_tok`` = the dot product of the
+    weight row at ``row`` (``nblk`` blocks of ``kind``, a :data:`BLOCK32_CODES` value)
+    with token ``j``'s activations per 32 (:class:`~kernels.quant.activations.
+    Q8Activations`), its ``levels`` activation rows summed in level order: level ``l``'s
+    int8 at ``x + j * x_tok + l * x_lvl``, float32 scales and sums likewise from ``xd``
+    and ``xs``. ``tokens`` and ``levels`` (``tokens * levels`` 1, 2 or 4), ``isa`` and
+    ``kind`` are compile-time.
 
     The blocks go four at a time, as two vectors of 64 codes unpacked once for every
     activation row and their fp16 scales converted together; then a last pair, then a
-    last block alone. Per pair and activation row: ``acc[p] += float(lanes) * (d * xd)``
-    (16 lanes of 4 products, 8 per block; ``p`` the pair's place in its four: two
-    independent chains of FMAs), ``acc_o += offset * xsum`` (a lane per block of the
-    four); at the end ``(tree(acc[0] + acc[1]) + tree(acc_1)) + tree(acc_o)``, ``acc_1``
-    the lone block's 8 lanes. Each row's arithmetic is the same whatever ``rows``."""
+    last block alone. Per pair and activation row: ``acc += float(lanes) * (d * xd)``
+    (16 lanes of 4 products, 8 per block), ``acc_o += offset * xsum`` (a lane per block
+    of the four); at the end one fixed tree over ``acc + acc_1 + acc_o`` (``acc_1`` the
+    lone block's 8 lanes, it and ``acc_o`` widened with zeros). Each activation row's
+    arithmetic is the same whatever ``tokens`` and ``levels``: so are the results. (A
+    second accumulator for the second pair of each four, against the FMA latency, gained
+    nothing with two rows and made AVX2, 16 registers, spill more.)"""
     lit = (
-        _literal(rows, (1, 2, 4)),
+        _literal(tokens, (1, 2, 4)),
+        _literal(levels, (1, 2)),
         _literal(isa, range(len(ISAS))),
         _literal(kind, tuple(BLOCK32_KINDS)),
     )
-    if any(v is None for v in lit):
+    if any(v is None for v in lit) or lit[0] * lit[1] > 4:
         return None
-    rows_v, isa_name, spec = lit[0], ISAS[lit[1]], BLOCK32_KINDS[lit[2]]
+    tokens_v, levels_v, isa_name, spec = lit[0], lit[1], ISAS[lit[2]], BLOCK32_KINDS[lit[3]]
+    rows_v = tokens_v * levels_v  # activation row r: token r // levels_v, level r % levels_v
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, u, i, u, i, u, rows, isa, kind)
+    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, i, tokens, levels, isa, kind)
 
     def codegen(context, builder, signature, args):
-        row_a, nblk_v, x_a, x_step, xd_a, xd_step, xs_a, xs_step, out_a = args[:9]
+        row_a, nblk_v, x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl = args[:8]
+        xs_a, xs_tok, xs_lvl, out_a, out_tok = args[8:13]
 
-        def per_row(base, step):
-            return [builder.add(base, builder.mul(step, I64(r))) for r in range(rows_v)]
+        def per_row(base, tok, lvl):
+            return [
+                builder.add(
+                    builder.add(base, builder.mul(tok, I64(r // levels_v))),
+                    builder.mul(lvl, I64(r % levels_v)),
+                )
+                for r in range(rows_v)
+            ]
 
-        x_rows, xd_rows, xs_rows = (
-            per_row(x_a, x_step),
-            per_row(xd_a, xd_step),
-            per_row(xs_a, xs_step),
-        )
+        x_rows = per_row(x_a, x_tok, x_lvl)
+        xd_rows = per_row(xd_a, xd_tok, xd_lvl)
+        xs_rows = per_row(xs_a, xs_tok, xs_lvl)
 
         def zeros(n):
             return [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, n), None))
                     for _ in range(rows_v)]  # fmt: skip
 
-        acc, acc_1, acc_o = (zeros(16), zeros(16)), zeros(8), zeros(4)
+        acc, acc_1, acc_o = zeros(16), zeros(8), zeros(4)
 
         def padded(v):
             """A vector of ``n`` < 4 lanes as 4, the others 0."""
@@ -224,7 +244,7 @@ def block32_pass(typingctx, row, nblk, x, x_step, xd, xd_step, xs, xs_step, out,
             )
 
         def step(blk, n, targets):
-            """Blocks ``blk .. blk + n`` (n 4, 2 or 1), pair ``p`` into ``targets[p]``."""
+            """Blocks ``blk .. blk + n`` (n 4, 2 or 1), into ``targets`` (per row)."""
             blocks = [builder.add(row_a, builder.mul(builder.add(blk, I64(b)), I64(spec.block_bytes)))
                       for b in range(n)]  # fmt: skip
             chunks = [blocks[b : b + 2] for b in range(0, n, 2)]
@@ -247,7 +267,7 @@ def block32_pass(typingctx, row, nblk, x, x_step, xd, xd_step, xs, xs_step, out,
                     lane_scale = _pick(
                         builder, scale, [2 * p + e // 32 for e in range(0, width, 4)]
                     )
-                    a = targets[p][r]
+                    a = targets[r]
                     builder.store(_fma(builder, lanes, lane_scale, builder.load(a)), a)
                 if offset is not None:
                     xs_v = _load(builder, builder.add(xs_rows[r], at), _vec(F32, n), 4)
@@ -262,14 +282,17 @@ def block32_pass(typingctx, row, nblk, x, x_step, xd, xd_step, xs, xs_step, out,
         with builder.if_then(builder.icmp_unsigned(">=", rest, I64(2))):
             step(done, 2, acc)
         with builder.if_then(builder.icmp_unsigned("!=", builder.and_(rest, I64(1)), I64(0))):
-            step(builder.sub(nblk_v, I64(1)), 1, (acc_1,))
+            step(builder.sub(nblk_v, I64(1)), 1, acc_1)
+        totals = []
         for r in range(rows_v):
-            pairs = builder.fadd(builder.load(acc[0][r]), builder.load(acc[1][r]))
-            total = builder.fadd(
-                _tree_sum(builder, pairs), _tree_sum(builder, builder.load(acc_1[r]))
-            )
-            total = builder.fadd(total, _tree_sum(builder, builder.load(acc_o[r])))
-            dst = builder.add(out_a, I64(4 * r))
+            lanes = builder.fadd(builder.load(acc[r]), _widen(builder, builder.load(acc_1[r])))
+            lanes = builder.fadd(lanes, _widen(builder, builder.load(acc_o[r])))
+            totals.append(_tree_sum(builder, lanes))
+        for j in range(tokens_v):
+            total = totals[j * levels_v]
+            for level in range(1, levels_v):
+                total = builder.fadd(total, totals[j * levels_v + level])
+            dst = builder.add(out_a, builder.mul(out_tok, I64(j)))
             builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
         return context.get_dummy_value()
 
@@ -277,66 +300,83 @@ def block32_pass(typingctx, row, nblk, x, x_step, xd, xd_step, xs, xs_step, out,
 
 
 @numba.njit(**INLINE)
-def _pass(kind, rows, row_at, nblk, x_at, qs, xd_at, ds, xs_at, ss, dots_at):
-    """:func:`block32_pass` over ``rows`` (4, 2 or 1) activation rows, the literal count
-    picked at run time (numba needs it at compile time)."""
-    if rows == 4:
-        block32_pass(row_at, nblk, x_at, qs, xd_at, ds, xs_at, ss, dots_at, 4, ISA, kind)
-    elif rows == 2:
-        block32_pass(row_at, nblk, x_at, qs, xd_at, ds, xs_at, ss, dots_at, 2, ISA, kind)
+def _pass(kind, tokens, levels, row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok):  # fmt: skip
+    """:func:`block32_pass` over ``tokens`` (up to 4 // ``levels``) tokens of ``levels``
+    (1 or 2) rows, the literal counts picked at run time (numba needs them at compile
+    time)."""
+    if levels == 2:
+        if tokens == 2:
+            block32_pass(
+                row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out,
+                out_tok, 2, 2, ISA, kind,
+            )  # fmt: skip
+        else:
+            block32_pass(
+                row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out,
+                out_tok, 1, 2, ISA, kind,
+            )  # fmt: skip
+    elif tokens == 4:
+        block32_pass(
+            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
+            4, 1, ISA, kind,
+        )  # fmt: skip
+    elif tokens == 2:
+        block32_pass(
+            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
+            2, 1, ISA, kind,
+        )  # fmt: skip
     else:
-        block32_pass(row_at, nblk, x_at, qs, xd_at, ds, xs_at, ss, dots_at, 1, ISA, kind)
+        block32_pass(
+            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
+            1, 1, ISA, kind,
+        )  # fmt: skip
 
 
 @numba.njit(**INLINE)
 def block32_rows(kind, parts, row_bytes, levels, xq, xd, xsum, out, tasks):
-    """``out[t, n]`` = weight row ``n`` dotted with the ``levels`` activation rows of
-    token ``t`` (rows ``t``, ``T + t``, ... of ``xq``, ``T`` the rows of ``out``), summed
-    in level order, for every ``t`` and ``n``: per 32, ``xd`` the scales and ``xsum`` the
-    float sums of each block.
+    """``out[t, n]`` = weight row ``n`` dotted with the ``levels`` (1 or 2) activation
+    rows of token ``t`` (rows ``t`` and ``T + t`` of ``xq``, ``T`` the rows of ``out``),
+    summed in level order, for every ``t`` and ``n``: per 32, ``xd`` the scales and
+    ``xsum`` the float sums of each block.
 
     The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
     part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``, a
     :data:`BLOCK32_CODES` value): the parts of a fused projection (q/k/v, gate/up) in one
     call, wherever each lies in the mapped file. The rows are split in ``tasks`` ranges
     over numba's threads; each weight row goes through passes of up to 4 activation rows
-    (:func:`block32_pass`), the next row prefetched.
+    (:func:`block32_pass`, which writes its tokens' results), the next row prefetched.
 
     One weight row at a time: walking 4 rows block by block together (each activation
     vector loaded once for all four) ran as fast on a matrix in cache, but slower from
     memory: Q4_1 8192 x 2048, one thread, 11.9 against 17.7 GB/s (in L3 both 21.4)."""
+    if levels != 1 and levels != 2:
+        raise ValueError("block32_rows: one or two levels of activations")
     n_parts = parts.shape[0]
     n_rows = 0
     for p in range(n_parts):
         n_rows += parts[p, 1]
-    batch = xq.shape[0]
     tokens = out.shape[0]
     nblk = xq.shape[1] // 32
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
-    xq_at, xd_at, xs_at = xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data
-    qs, ds, ss = xq.strides[0], xd.strides[0], xsum.strides[0]
+    xq_at, xd_at, xs_at, out_at = xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data, out.ctypes.data
+    qs, ds, ss, os_ = xq.strides[0], xd.strides[0], xsum.strides[0], out.strides[0]
+    # the second level of token t is row t + T
+    q_lvl, d_lvl, s_lvl = tokens * qs, tokens * ds, tokens * ss
+    most = 4 // levels
     for t in numba.prange(tasks):
-        dots = np.empty(4, np.float32)
-        res = np.empty(batch, np.float32)
-        dots_at = dots.ctypes.data
         first = t * per
         last = min(first + per, n_rows)
         p, base = part_of(parts, first)
         for n in range(first, last):
             p, base, row_at = walk_row(parts, p, base, n, last, row_bytes)
-            b = 0
-            while b < batch:
-                rows = 4 if batch - b >= 4 else (2 if batch - b >= 2 else 1)
+            j = 0
+            while j < tokens:
+                step = min(most, tokens - j)
+                if step == 3:
+                    step = 2
                 _pass(
-                    kind, rows, row_at, nblk, xq_at + b * qs, qs, xd_at + b * ds, ds,
-                    xs_at + b * ss, ss, dots_at,
+                    kind, step, levels, row_at, nblk, xq_at + j * qs, qs, q_lvl, xd_at + j * ds,
+                    ds, d_lvl, xs_at + j * ss, ss, s_lvl, out_at + j * os_ + 4 * n, os_,
                 )  # fmt: skip
-                for r in range(rows):
-                    res[b + r] = dots[r]
-                b += rows
-            for j in range(tokens):
-                s = res[j]
-                for level in range(1, levels):
-                    s += res[j + level * tokens]
-                out[j, n] = s
+                j += step

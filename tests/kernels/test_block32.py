@@ -105,7 +105,7 @@ def test_codegen_for_other_cpus(isa, cpu, want, absent, name):
     from kernels.quant.block32 import block32_pass
 
     u, lit = types.uintp, types.literal
-    args = [u] * 9 + [lit(2), lit(ISA_CODES[isa]), lit(BLOCK32_CODES[name])]
+    args = [u] * 13 + [lit(1), lit(2), lit(ISA_CODES[isa]), lit(BLOCK32_CODES[name])]
     asm = _asm_for(block32_pass, args, cpu)
     assert re.search(want, asm) and not re.search(absent, asm)
     if name != "Q8_0":
