@@ -7,10 +7,12 @@ row's codes and scales to buffers and reads them back for the dot product.
 codes, dots them with the int8 activations of every activation row in integers and
 scales the lanes, all in registers, over the whole row. Profile that led here
 (SmolLM2-135M, a Q4_1 file with a Q8_0 head, 2 threads, AMD EPYC with AVX-512 VNNI): the
-Q4_1 kernels read 15 GB/s of weight bytes, 4.4 of the 8.5 ms a token took. On the same
-machine, one token (two levels), matrices cold: Q4_1 1536 x 576 9.1 -> 14.3 GB/s on one
-thread, 17 -> 26 on two; 8192 x 2048 13.4 -> 20.5 and 24 -> 38; Q8_0 49152 x 576
-15.5 -> 21.8 on one thread.
+Q4_1 kernels read 15 GB/s of weight bytes, 4.4 of the 8.5 ms a token took. Here, on the
+same machine, one token (two levels), matrices cold, generic path -> this one: Q4_1
+1536 x 576 8.9 -> 16.9 GB/s on one thread, 15.4 -> 26.5 on two; 49152 x 576 8.4 -> 17.1
+and 15.7 -> 33.2; 8192 x 2048 15.0 -> 22.3 on one thread; Q8_0 49152 x 576 15.6 -> 24.4
+and 31.2 -> 45.4; Q5_0 8192 x 2048 3.7 -> 17.7 on one thread. SmolLM2 on one thread:
+12.9 -> 8.8 ms a token (Q4_1 7.7 -> 4.3 ms, the Q8_0 head 2.0 -> 1.3).
 
 Activations come per 32 (:class:`~kernels.quant.activations.Q8Activations`: one float32
 scale ``xd`` and the float sum ``xsum`` of the dequantized values per block). Per block
@@ -348,7 +350,10 @@ def block32_rows(kind, parts, row_bytes, levels, xq, xd, xsum, out, tasks):
 
     One weight row at a time: walking 4 rows block by block together (each activation
     vector loaded once for all four) ran as fast on a matrix in cache, but slower from
-    memory: Q4_1 8192 x 2048, one thread, 11.9 against 17.7 GB/s (in L3 both 21.4)."""
+    memory: Q4_1 8192 x 2048, one thread, 11.9 against 17.7 GB/s (in L3 both 21.4).
+    Passes of 8 activation rows (AVX-512: four tokens' two levels) ran no faster than 4
+    at 4 and 16 tokens: the float steps per pair and row bound the kernel there, not the
+    unpacking."""
     if levels != 1 and levels != 2:
         raise ValueError("block32_rows: one or two levels of activations")
     n_parts = parts.shape[0]
