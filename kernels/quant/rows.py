@@ -1,4 +1,7 @@
-"""The two loops every block type shares, written once and inlined into each type's kernels.
+"""The two loops the block types share, written once and inlined into each type's kernels
+(decode: the types not unpacked in registers, Q2_K, Q3_K and Q5_K, see
+:mod:`kernels.quant.superblock` and :mod:`kernels.quant.block32` for the others;
+dequantize: every type).
 
 The next weight row is prefetched while one is unpacked and dotted (measured, Q4_K
 14336 x 4096 at B = 1, cold, on the noisy 2-core dev VM: +30% on one thread, +7% on two). A type contributes an
