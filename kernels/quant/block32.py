@@ -107,10 +107,10 @@ def _fifth_bits(builder, codes, qh_addrs: list):
     """``codes`` with 16 or-ed in where bit ``e`` of the block's little-endian ``qh`` is set
     (Q5_0 / Q5_1): the bits as a lane mask (``vpmovm2b`` / a masked move on AVX-512)."""
     n = len(qh_addrs)
-    bits = builder.zext(_load(builder, qh_addrs[0], I32), ir.IntType(32 * n))
+    bits = _load(builder, qh_addrs[0], I32)
     if n == 2:
         high = builder.zext(_load(builder, qh_addrs[1], I32), I64)
-        bits = builder.or_(bits, builder.shl(high, I64(32)))
+        bits = builder.or_(builder.zext(bits, I64), builder.shl(high, I64(32)))
     mask = builder.bitcast(bits, _vec(ir.IntType(1), 32 * n))
     sixteen = builder.select(
         mask, ir.Constant(_vec(I8, 32 * n), [16] * (32 * n)), ir.Constant(_vec(I8, 32 * n), None)
