@@ -9,6 +9,8 @@ entry point. Layout of the package:
 * ``legacy.py`` / ``kquants.py``: per type, an unpacker and its kernels.
 * ``superblock.py``: Q4_K and Q6_K decode kernels that unpack in registers and sum each
   256-element super-block in integers (the bulk of a Q4_K_M file).
+* ``block32.py``: the decode kernels of the blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+  unpacked in registers two blocks to a vector.
 * ``activations.py``: activations to int8 once per matmul: per 32 (most types) or per 256
   with integer sums (the super-block kernels).
 * ``reference.py``: the plain reference the kernels are tested against.

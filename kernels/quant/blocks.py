@@ -5,7 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.quant.simd import HAS_F16C, f16_to_f32, u8_pointer
+from kernels.quant.simd import HAS_F16C, f16_to_f32, prefetch, u8_pointer
 
 # No fast-math: every rounding step is fixed (the sums that need a vector order are written
 # out in simd.py), so fresh and cached code agree bit for bit.
@@ -75,3 +75,19 @@ def part_of(parts, row):
         base += parts[p, 1]
         p += 1
     return p, base
+
+
+@numba.njit(**INLINE)
+def walk_row(parts, p, base, n, last, row_bytes):
+    """``(p, base, address)`` of row ``n`` for a loop over the rows ``.. last`` of a part
+    table, given part ``p`` and its first row ``base`` for row ``n - 1`` (or
+    :func:`part_of` for the first); the next row, which may begin the next part, is
+    prefetched."""
+    if n - base == parts[p, 1]:
+        base += parts[p, 1]
+        p += 1
+    row_at = parts[p, 0] + (n - base) * row_bytes
+    if n + 1 < last:
+        nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
+        prefetch(nxt, row_bytes)
+    return p, base, row_at

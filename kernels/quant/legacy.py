@@ -1,20 +1,27 @@
 """The blocks of 32 elements: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
 
 Same contract as :mod:`kernels.quant.kquants` (see :mod:`kernels.quant.rows`); one
-sub-block per block. Element ``e`` of a 4-bit block is the low nibble of ``qs[e]`` for
-``e < 16`` and the high nibble of ``qs[e - 16]`` after; the fifth bit of Q5_* is bit ``e``
-of the little-endian ``qh``.
+sub-block per block. The unpackers serve the prefill path (dequantized tiles); the decode
+kernels unpack in registers (:mod:`kernels.quant.block32`). Element ``e`` of a 4-bit block
+is the low nibble of ``qs[e]`` for ``e < 16`` and the high nibble of ``qs[e - 16]``
+after; the fifth bit of Q5_* is bit ``e`` of the little-endian ``qh``.
 """
 
 from __future__ import annotations
 
 import numba
 
-from kernels.quant.blocks import INLINE, JIT, half
-from kernels.quant.rows import decode_parts_rows, decode_rows, dequantize_rows
+from kernels.quant.block32 import BLOCK32_CODES, block32_rows
+from kernels.quant.blocks import INLINE, JIT, half, one_part
+from kernels.quant.rows import dequantize_rows
 from kernels.quant.simd import bitfield, bitplane
 
 PARALLEL = {**JIT, "parallel": True}
+_B32_Q8_0 = BLOCK32_CODES["Q8_0"]
+_B32_Q4_0 = BLOCK32_CODES["Q4_0"]
+_B32_Q4_1 = BLOCK32_CODES["Q4_1"]
+_B32_Q5_0 = BLOCK32_CODES["Q5_0"]
+_B32_Q5_1 = BLOCK32_CODES["Q5_1"]
 
 
 @numba.njit(**INLINE)
@@ -86,12 +93,12 @@ def unpack_q5_1(row, codes, fw, fo):
 
 @numba.njit(**PARALLEL)
 def decode_q8_0(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q8_0, 32, True, w, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q8_0, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
 def decode_parts_q8_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
-    decode_parts_rows(unpack_q8_0, 32, True, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q8_0, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -101,12 +108,12 @@ def dequant_q8_0(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q4_0(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q4_0, 32, False, w, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q4_0, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
 def decode_parts_q4_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
-    decode_parts_rows(unpack_q4_0, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q4_0, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -116,12 +123,12 @@ def dequant_q4_0(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q4_1(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q4_1, 32, False, w, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q4_1, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
 def decode_parts_q4_1(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
-    decode_parts_rows(unpack_q4_1, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q4_1, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -131,12 +138,12 @@ def dequant_q4_1(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q5_0(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q5_0, 32, False, w, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q5_0, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
 def decode_parts_q5_0(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
-    decode_parts_rows(unpack_q5_0, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q5_0, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
@@ -146,12 +153,12 @@ def dequant_q5_0(w, first, out32, out16, tasks):
 
 @numba.njit(**PARALLEL)
 def decode_q5_1(w, xq, xs, xsum, out, tasks):
-    decode_rows(unpack_q5_1, 32, False, w, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q5_1, one_part(w), w.shape[1], 1, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)
 def decode_parts_q5_1(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
-    decode_parts_rows(unpack_q5_1, 32, False, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+    block32_rows(_B32_Q5_1, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
 
 
 @numba.njit(**PARALLEL)

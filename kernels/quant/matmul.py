@@ -6,8 +6,9 @@ Two paths, picked by the number of activation rows ``B``:
   per 256 as the type's kernel wants (:mod:`kernels.quant.activations`), then the decode
   kernel reads each weight row once and dots it with every activation row in integers
   (``vpdpbusd`` where the CPU has VNNI): Q4_K and Q6_K unpacked in registers
-  (:mod:`kernels.quant.superblock`), the other types into a cache-resident buffer. Row ``b`` of the result depends only on
-  row ``b`` of ``x``: the same bits for any batch.
+  (:mod:`kernels.quant.superblock`), as are the blocks of 32 (:mod:`kernels.quant.block32`),
+  the other k-quants into a cache-resident buffer. Row ``b`` of the result depends only
+  on row ``b`` of ``x``: the same bits for any batch.
 * prefill (larger ``B``): tiles of weight rows (:data:`PREFILL_TILE_BYTES`) are dequantized
   into a reused buffer (bf16 where the CPU has native bf16 dot products, else float32) and
   multiplied by torch's GEMM; the activations stay in float.

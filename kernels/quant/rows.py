@@ -1,4 +1,7 @@
-"""The two loops every block type shares, written once and inlined into each type's kernels.
+"""The two loops the block types share, written once and inlined into each type's kernels
+(decode: the types not unpacked in registers, Q2_K, Q3_K and Q5_K, see
+:mod:`kernels.quant.superblock` and :mod:`kernels.quant.block32` for the others;
+dequantize: every type).
 
 The next weight row is prefetched while one is unpacked and dotted (measured, Q4_K
 14336 x 4096 at B = 1, cold, on the noisy 2-core dev VM: +30% on one thread, +7% on two). A type contributes an
@@ -25,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.quant.blocks import INLINE, byte_row, one_part, part_of
+from kernels.quant.blocks import INLINE, byte_row, one_part, part_of, walk_row
 from kernels.quant.simd import (
     HOST_ISA,
     ISA_CODES,
@@ -110,13 +113,7 @@ def decode_parts_rows(unpack, sw, signed, parts, row_bytes, levels, xq, xs, xsum
         last = min(first + per, n_rows)
         p, base = part_of(parts, first)
         for n in range(first, last):
-            if n - base == parts[p, 1]:
-                base += parts[p, 1]
-                p += 1
-            row_at = parts[p, 0] + (n - base) * row_bytes
-            if n + 1 < last:
-                nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
-                prefetch(nxt, row_bytes)
+            p, base, row_at = walk_row(parts, p, base, n, last, row_bytes)
             unpack(byte_row(row_at, row_bytes), codes, fw, fo)
             _dot_rows(
                 c_at, fw_at, fo_at, sw, signed, xq_at, xq_step, xs_at, xs_step, xsum_at,

@@ -233,15 +233,16 @@ from kernels.quant import HOST_ISA, QuantWeight, decode_matmul, quantize_activat
 from kernels.quant.bench import random_blocks
 from gguf import GGMLQuantizationType as Q
 out = {"isa": HOST_ISA}
-for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544)):  # unsigned and signed codes
+# unsigned and signed codes; blocks of 32 with a minimum, centred, with fifth bits
+for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544), ("Q4_1", 544), ("Q5_0", 320)):
     qt = Q[name]
     w = QuantWeight.from_raw(random_blocks(qt, 23, k, np.random.default_rng(k)), qt, (23, k))
     x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
     out[name] = decode_matmul(quantize_activations(x), w).tolist()
-    if name != "Q8_0":  # the fused projection: both levels of a token paired in the kernel
-        import torch
-        from kernels.quant.linear import BlockLinear
-        out["paired " + name] = BlockLinear([w])(torch.from_numpy(x)).tolist()
+    # the fused projection: both levels of a token in one kernel call
+    import torch
+    from kernels.quant.linear import BlockLinear
+    out["paired " + name] = BlockLinear([w])(torch.from_numpy(x)).tolist()
 """
 
 
