@@ -54,6 +54,7 @@ from kernels.quant.simd import (
     _literal,
     _tree_sum,
     _vec,
+    stream_ahead,
 )
 from kernels.quant.superblock import _concat, _half, _load, _pick
 
@@ -278,7 +279,10 @@ def block32_pass(
 
         quads = builder.udiv(nblk_v, I64(4))
         with cgutils.for_range(builder, quads) as loop:
-            step(builder.mul(loop.index, I64(4)), 4, acc)
+            blk = builder.mul(loop.index, I64(4))
+            first = builder.add(row_a, builder.mul(blk, I64(spec.block_bytes)))
+            stream_ahead(builder, first, 4 * spec.block_bytes)
+            step(blk, 4, acc)
         done = builder.mul(quads, I64(4))
         rest = builder.sub(nblk_v, done)
         with builder.if_then(builder.icmp_unsigned(">=", rest, I64(2))):

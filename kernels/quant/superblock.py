@@ -55,6 +55,7 @@ from kernels.quant.simd import (
     _tree_sum,
     _vec,
     scale_field,
+    stream_ahead,
 )
 
 __all__ = ["KBLOCK_CODES", "KBLOCK_KINDS", "kblock_dot", "kblock_rows"]
@@ -106,16 +107,6 @@ def _half(builder, addr):
     bits32 = builder.select(builder.icmp_unsigned("==", exp, I32(31)), special, normal)
     value = builder.bitcast(bits32, F32)
     return builder.select(builder.icmp_unsigned("==", exp, I32(0)), sub, value)
-
-
-def _stream_ahead(builder, base, block_bytes: int):
-    """Ask for the lines :data:`STREAM_AHEAD` bytes past the block at ``base`` into L2
-    (past a row's end that is the next row's start; past a matrix's end, addresses a
-    prefetch may name without faulting)."""
-    fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(I8), I32, I32, I32])
-    for line in range((block_bytes + 63) // 64):
-        at = builder.inttoptr(builder.add(base, I64(STREAM_AHEAD + 64 * line)), ir.PointerType(I8))
-        builder.call(fn, [at, I32(0), I32(2), I32(1)])
 
 
 def _pair_scales(builder, sc16, w_lanes: list[int]):
@@ -255,15 +246,6 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 ROW_GROUP = 4
 # Up to here kblock_rows runs kblock_pass (unrolled passes, accumulators in registers)
 FEW_TOKENS = 4
-# Bytes ahead of the block being unpacked that each block asks into L2 (``prefetcht1``
-# per 64-byte line): a steady stream where the hardware prefetchers fall behind. Cold
-# matrices, one thread, one token, two levels, 2-core AMD EPYC, none / 4096 / 8192 /
-# 16384 bytes ahead (the next row's whole bytes asked for at each row's start before):
-# Q6_K 6400 x 18944 7.9 / 23.1 / 24.1 / 20.8 GB/s, Q4_K 6400 x 18944 9.4 / 21.6 / 26.5 /
-# 25.1, Q4_K 34000 x 3584 21.4 / 25.8 / 25.4 / 25.7, Q6_K 34000 x 3584 29.1 / 33.8 /
-# 36.9 / 35.8 (long rows were slowest: their two levels of activations, 37 KB at 18,944
-# wide, overflow L1 and take the misses the weights' stream needs)
-STREAM_AHEAD = 8192
 _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code
 
 
@@ -378,7 +360,7 @@ def kblock_dot(
             base = builder.add(
                 builder.add(row_a, builder.mul(w, row_step)), builder.mul(blk, I64(block_bytes))
             )
-            _stream_ahead(builder, base, block_bytes)
+            stream_ahead(builder, base, block_bytes)
             d, dm, sc, mins, chunks = body(builder, base)
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
             codes = [c for c, _, _ in chunks]
@@ -548,7 +530,7 @@ def kblock_pass(
         with cgutils.for_range(builder, nblk_v) as loop:
             blk = loop.index
             base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
-            _stream_ahead(builder, base, block_bytes)
+            stream_ahead(builder, base, block_bytes)
             d, dm, sc, mins, chunks = body(builder, base)
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
 
@@ -659,7 +641,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     the parts of a fused projection (q/k/v, gate/up) in one call, wherever each lies in
     the mapped file. The rows are split in ``tasks`` ranges over numba's threads; each
     weight row is read and unpacked once for all tokens (:func:`kblock_dot`), the bytes
-    :data:`STREAM_AHEAD` on asked into L2 block by block."""
+    :data:`~kernels.quant.simd.STREAM_AHEAD` on asked into L2 block by block."""
     if levels == WIDE and out.shape[0] <= FEW_TOKENS:
         raise ValueError("int16 activations are for more than FEW_TOKENS tokens")
     n_parts = parts.shape[0]
