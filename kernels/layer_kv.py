@@ -8,6 +8,7 @@ the same way.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,12 @@ class LayerKV:
     fmt_v: KVFormat
     k_offset: KeyOffset | None = None
 
-    @property
+    # cached: a decode step reads them once per layer
+    @functools.cached_property
     def page_size(self) -> int:
         return next(iter(self.k.values())).shape[1]
 
-    @property
+    @functools.cached_property
     def kv_heads(self) -> int:
         return next(iter(self.k.values())).shape[2]
 
@@ -41,9 +43,12 @@ class LayerKV:
         """float32 queries in the K pages' domain: rotated when K is quantized, since the
         group rotation ``H`` is orthogonal and symmetric, ``q . (y H) = (q H) . y``, so the
         pages are read as stored and never rotated back."""
-        return rotate(q) if self.fmt_k.quantized else q.float()
+        if self.fmt_k.quantized:
+            return rotate(q)
+        return q if q.dtype == torch.float32 else q.float()
 
     def output_from_pages(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An output summed over V rows as stored, back in the model's domain and ``dtype``:
         rotated when V is quantized (``sum_j p_j (y_j H) = (sum_j p_j y_j) H``)."""
-        return (rotate(out) if self.fmt_v.quantized else out).to(dtype)
+        out = rotate(out) if self.fmt_v.quantized else out
+        return out if out.dtype == dtype else out.to(dtype)

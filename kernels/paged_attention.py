@@ -480,6 +480,13 @@ def _heads_per_task(batch: int, kv_heads: int) -> int:
     return kv_heads if batch >= 2 * numba.get_num_threads() else 1
 
 
+def numba_stores(kv: LayerKV) -> tuple:
+    """``kv``'s K then V store as :func:`decode_numba_unchecked` reads them (numpy views,
+    twelve arguments), for callers that keep them across steps: making them takes about
+    1.5 us, the kernel on a short context (SmolLM2's shapes, 40 tokens) about ten."""
+    return (*_numba_store(kv.fmt_k, kv.k), *_numba_store(kv.fmt_v, kv.v))
+
+
 def decode_numba_unchecked(
     q: torch.Tensor,
     kv: LayerKV,
@@ -487,23 +494,50 @@ def decode_numba_unchecked(
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None = None,
+    stores: tuple | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_numba` without its argument checks, on int64 numpy block tables
     and lengths: for callers that validated one step's batch once and run it through
-    every layer (the checks cost more than the kernel on short contexts)."""
-    kd, kc, ks, kz, kasym, kbits = _numba_store(kv.fmt_k, kv.k)
-    vd, vc, vs, vz, vasym, vbits = _numba_store(kv.fmt_v, kv.v)
-    kv_heads = kv.kv_heads
+    every layer (the checks cost more than the kernel on short contexts). ``stores``:
+    ``numba_stores(kv)``, made once by the caller."""
     k_offset = kv.k_offset
+    key_terms = None
+    if k_offset is not None:
+        key_terms = (
+            (k_offset.query_terms(q) * scale).contiguous().numpy(),
+            k_offset.table.float().contiguous().numpy(),
+        )
     qf = kv.query_for_pages(q)  # scaled in the kernel
-    if k_offset is None:
-        zq, offset_table = _NO_QUERY_TERMS, _NO_TABLE
-    else:
-        zq = (k_offset.query_terms(q) * scale).contiguous().numpy()
-        offset_table = k_offset.table.float().contiguous().numpy()
+    out = decode_numba_arrays(
+        qf.numpy(), kv, block_tables, seq_lens, scale, sliding_window, stores, key_terms
+    )
+    return kv.output_from_pages(torch.from_numpy(out), q.dtype)
+
+
+def decode_numba_arrays(
+    q: np.ndarray,
+    kv: LayerKV,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    sliding_window: int | None = None,
+    stores: tuple | None = None,
+    key_terms: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """The kernel of :func:`decode_numba_unchecked` on float32 numpy queries ``[B, heads,
+    head_dim]`` already in the pages' domain, its output left in that domain; with
+    ``key_terms`` (the key offset's scaled query terms and table), the offset added.
+    On float32 pages (no rotation, no offset) that is the whole of it, with no torch op:
+    each costs about a microsecond of dispatch, the kernel on SmolLM2's shapes and a
+    40-token context about ten."""
+    kd, kc, ks, kz, kasym, kbits, vd, vc, vs, vz, vasym, vbits = (
+        numba_stores(kv) if stores is None else stores
+    )
+    kv_heads = kv.kv_heads
+    zq, offset_table = (_NO_QUERY_TERMS, _NO_TABLE) if key_terms is None else key_terms
     out = np.empty(q.shape, dtype=np.float32)
     _decode_kernel(
-        qf.numpy(),
+        q,
         np.float32(scale),
         block_tables,
         seq_lens,
@@ -511,12 +545,12 @@ def decode_numba_unchecked(
         q.shape[1] // kv_heads,
         kv.page_size,
         kd, kc, ks, kz, kasym, kbits, vd, vc, vs, vz, vasym, vbits,
-        zq, offset_table, k_offset is not None,
+        zq, offset_table, key_terms is not None,
         _HALF_TABLE,
         _heads_per_task(q.shape[0], kv_heads),
         out,
     )  # fmt: skip
-    return kv.output_from_pages(torch.from_numpy(out), q.dtype)
+    return out
 
 
 def paged_attention(

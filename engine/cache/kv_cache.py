@@ -15,6 +15,7 @@ V use the asymmetric min/max grid (``engine.cache.formats.kv_formats``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,13 @@ from engine.cache.page_table import PageTable
 from engine.cache.storage import PagedKVStorage, kvformat_allocator
 from kernels.kvquant import KeyOffset, quantize_into, rope_table
 from kernels.layer_kv import LayerKV
-from kernels.paged_attention import decode_numba_unchecked, numba_supported, paged_attention
+from kernels.paged_attention import (
+    decode_numba_arrays,
+    decode_numba_unchecked,
+    numba_stores,
+    numba_supported,
+    paged_attention,
+)
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_TOKEN_BUDGET = 16384
@@ -72,6 +79,12 @@ class StepBatch:
     host: tuple[np.ndarray, np.ndarray] | None = (
         None  # int64 block tables, seq lens for CPU kernels
     )
+
+    @functools.cached_property
+    def host_writes(self) -> tuple[np.ndarray, np.ndarray]:
+        """``write_pages`` and ``write_slots`` as numpy arrays (a CPU batch), made once for
+        the kernels of every layer that store K/V (``kernels.rope.rope_and_store``)."""
+        return self.write_pages.numpy(), self.write_slots.numpy()
 
     def to(self, device: torch.device) -> StepBatch:
         """This batch with its tensors on ``device`` (itself when they are there); the
@@ -235,6 +248,10 @@ class KVCache:
         )
         probe = torch.empty(1, 1, head_dim, device=self.device)
         self.numba_decode = numba_supported(probe, self.fmt_k, self.fmt_v)
+        # the pages as the numba decode kernel reads them, per layer (they never move)
+        self._numba_stores = (
+            [numba_stores(kv) for kv in self._layers] if self.numba_decode else None
+        )
         # float32 pages on the CPU as numpy views, which kernels.rope writes in place
         dense = self.device.type == "cpu" and not (self.fmt_k.quantized or self.fmt_v.quantized)
         self._dense_pages = (
@@ -369,6 +386,21 @@ class KVCache:
         quantize_into(self.fmt_k, self.storage.k[layer], batch.write_pages, batch.write_slots, k)
         quantize_into(self.fmt_v, self.storage.v[layer], batch.write_pages, batch.write_slots, v)
 
+    def attend_dense(
+        self,
+        layer: int,
+        q: np.ndarray,
+        batch: StepBatch,
+        scale: float,
+        sliding_window: int | None,
+    ) -> np.ndarray:
+        """`attend` for a decode step (``batch.host``) on float32 pages (those
+        `dense_pages` returns), numpy in and out: the numba kernel alone, no torch op."""
+        kv = self._layer_kv(layer, batch)
+        return decode_numba_arrays(
+            q, kv, *batch.host, scale, sliding_window, self._numba_stores[layer]
+        )
+
     def attend(
         self,
         layer: int,
@@ -381,7 +413,9 @@ class KVCache:
         kv = self._layer_kv(layer, batch)
         if batch.host is not None and self.numba_decode:
             # A decode step, validated once by StepBatch.build for all layers.
-            return decode_numba_unchecked(q, kv, *batch.host, scale, sliding_window)
+            return decode_numba_unchecked(
+                q, kv, *batch.host, scale, sliding_window, self._numba_stores[layer]
+            )
         if batch.decode_only and q.is_cuda:
             from kernels.triton_paged_attention import triton_paged_attention
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,7 @@ from kernels.int4 import Int4Weight, int4_linear
 from kernels.int8 import Int8Weight, int8_linear
 from kernels.quant.device_linear import DeviceBlockEmbedding, DeviceBlockLinear, Uploads
 from kernels.quant.linear import BlockEmbedding, BlockLinear
+from kernels.quant.matmul import DECODE_MAX_ROWS
 from kernels.rope import rope_and_store
 
 
@@ -138,11 +140,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight).to(x.dtype)
 
 
-def normed_linear(lin, x: torch.Tensor, weight: torch.Tensor, eps: float, bf16: bool):
-    """``lin(rms_norm(x, weight, eps))``; a projection over file blocks at decode sizes
-    does the norm in the numba call that quantizes its activations."""
+def normed_linear(
+    lin,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    bf16: bool,
+    residual: torch.Tensor | None = None,
+):
+    """``lin(rms_norm(x, weight, eps))``, after ``x += residual`` (in place) when given; a
+    projection over file blocks at decode sizes does the sum and the norm in the numba
+    call that quantizes its activations."""
     if isinstance(lin, BlockLinear) and lin.fuses(x):
-        return lin.normed(x, weight, eps)
+        return lin.normed(x, weight, eps, residual)
+    if residual is not None:
+        x.add_(residual)
     return lin(rms_norm(x, weight, eps), bf16)
 
 
@@ -170,6 +182,23 @@ class Layer:
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
     sliding: bool = False
+
+
+@dataclass(frozen=True)
+class _NormArrays:
+    """A layer's norm weights as numpy arrays (`Transformer._host_layer`): before
+    attention, before the MLP, and the q/k norms as ``rope_and_store`` takes them."""
+
+    attn: np.ndarray
+    mlp: np.ndarray
+    qk: tuple[int, np.ndarray, np.ndarray, float] | None
+
+    @classmethod
+    def of(cls, layer: Layer, config: ModelConfig) -> _NormArrays:
+        qk = None
+        if layer.q_norm is not None:
+            qk = (config.num_heads, layer.q_norm.numpy(), layer.k_norm.numpy(), config.rms_norm_eps)
+        return cls(layer.attn_norm.numpy(), layer.mlp_norm.numpy(), qk)
 
 
 class Rope:
@@ -258,6 +287,7 @@ class Transformer:
         self.lm_head = lm_head
         self.dtype = dtype
         self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling, rope_freq_factors)
+        self._norms: list[_NormArrays] | None = None  # _norm_arrays
         self.rope_local = (
             Rope(config.head_dim, config.rope_local_theta)
             if config.rope_local_theta is not None
@@ -280,6 +310,7 @@ class Transformer:
         if device == self.device and not triton:
             return self
         uploads = Uploads(device)
+        self._norms = None
 
         def move(lin):
             if isinstance(lin, BlockLinear):
@@ -425,9 +456,21 @@ class Transformer:
         # remainder as the uncached prompt computed those rows), decode forwards from
         # BATCHED_FROM_ROWS sequences up, below which torch's int4 kernel is faster.
         bf16 = not batch.decode_only or tokens.shape[0] >= BATCHED_FROM_ROWS
-        for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, batch, cache, rope_local if layer.sliding else rope, bf16)
-        x = x[batch.logits_rows]
+        h = None
+        if self._on_host_arrays(x, batch, cache):
+            xs = x.numpy()  # the residual stream, x's memory
+            rope, rope_local = ((cos.numpy(), sin.numpy()) for cos, sin in (rope, rope_local))
+            for i, layer in enumerate(self.layers):
+                h = self._host_layer(
+                    layer, i, xs, h, batch, cache, rope_local if layer.sliding else rope
+                )
+            h = torch.from_numpy(h)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = self._layer(
+                    layer, i, x, h, batch, cache, rope_local if layer.sliding else rope, bf16
+                )
+        x = x.add_(h)[batch.logits_rows]
         x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         logits = self.lm_head(x, bf16).float()
         if cfg.final_logit_softcapping:
@@ -435,30 +478,90 @@ class Transformer:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _layer(
-        self, layer: Layer, index: int, x, batch: StepBatch, cache: KVCache, rope, bf16: bool
-    ):
+    def _on_host_arrays(self, x: torch.Tensor, batch: StepBatch, cache: KVCache) -> bool:
+        """Whether this step's layers run on numpy arrays (`_host_layer`): a decode step
+        of at most DECODE_MAX_ROWS float32 rows on the CPU, over float32 pages, every
+        projection over file blocks. Such a step is numba calls with a little Python
+        between them, where a torch op or conversion costs about a microsecond of
+        dispatch: SmolLM2 (1 thread, the matmul kernels replaced by no-ops) took 1.8 ms a
+        token through the torch layers, 1.2 ms through these."""
+        return (
+            batch.host is not None
+            and x.dtype == torch.float32
+            and x.shape[0] <= DECODE_MAX_ROWS
+            and cache.dense_pages(0) is not None
+            and bool(self._norm_arrays())
+        )
+
+    def _norm_arrays(self) -> list[_NormArrays]:
+        """Per layer, its norm weights as numpy arrays for `_host_layer` (converting a
+        tensor costs half a microsecond), when every projection is over file blocks, else
+        none; made on first use (`to` drops them)."""
+        if self._norms is None:
+            blocks = all(
+                isinstance(lin, BlockLinear)
+                for layer in self.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+            self._norms = (
+                [_NormArrays.of(layer, self.config) for layer in self.layers] if blocks else []
+            )
+        return self._norms
+
+    def _host_layer(
+        self, layer: Layer, index: int, x: np.ndarray, h, batch: StepBatch, cache: KVCache, rope
+    ) -> np.ndarray:
+        """`_layer` on numpy arrays (`_on_host_arrays`): the same operations on the same
+        bits, numpy from one numba call to the next."""
         cfg = self.config
-        h = self._attention(layer, index, x, batch, cache, rope, bf16)
+        eps = cfg.rms_norm_eps
+        t = x.shape[0]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        norms = self._norms[index]
+        qkv = layer.qkv.normed_rows(x, norms.attn, eps, h)
+        qkv = qkv.reshape(t, heads + 2 * kv_heads, head_dim)
+        rope_and_store(
+            qkv, *rope, heads + kv_heads, cache.dense_pages(index), *batch.host_writes, norms.qk
+        )
+        window = cfg.sliding_window if layer.sliding else None
+        out = cache.attend_dense(index, qkv[:, :heads], batch, cfg.softmax_scale, window)
+        h = layer.o.rows(out.reshape(t, heads * head_dim))
+        if layer.post_attn_norm is not None:
+            h = rms_norm(torch.from_numpy(h), layer.post_attn_norm, eps).numpy()
+        h = layer.gate_up.normed_rows(x, norms.mlp, eps, h)
+        h = layer.down.gated_rows(h, cfg.hidden_act == "gelu_tanh")
+        if layer.post_mlp_norm is not None:
+            h = rms_norm(torch.from_numpy(h), layer.post_mlp_norm, eps).numpy()
+        return h
+
+    def _layer(
+        self, layer: Layer, index: int, x, h, batch: StepBatch, cache: KVCache, rope, bf16: bool
+    ):
+        """Layer ``index`` on the residual stream ``x`` after the previous layer's output
+        ``h`` (None before the first), each output added to ``x`` in place by the norm
+        that reads the sum (in its numba call at decode sizes: a torch add costs about a
+        microsecond of dispatch); returns the layer's output, not yet added."""
+        cfg = self.config
+        h = self._attention(layer, index, x, h, batch, cache, rope, bf16)
         if layer.post_attn_norm is not None:
             h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
-        x = x + h
-        h = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16)
+        h = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16, h)
         h = gated_linear(layer.down, h, cfg.hidden_act, bf16)
         if layer.post_mlp_norm is not None:
             h = rms_norm(h, layer.post_mlp_norm, cfg.rms_norm_eps)
-        return x + h
+        return h
 
     def _attention(
-        self, layer: Layer, index: int, x, batch: StepBatch, cache: KVCache, rope, bf16: bool
+        self, layer: Layer, index: int, x, h, batch: StepBatch, cache: KVCache, rope, bf16: bool
     ):
-        """Attention of the layer's input ``x`` (normed here), through the paged cache."""
+        """Attention of the layer's input ``x`` plus ``h`` (added in place, then normed
+        here), through the paged cache."""
         cfg = self.config
         t = x.shape[0]
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-        qkv = normed_linear(layer.qkv, x, layer.attn_norm, cfg.rms_norm_eps, bf16)
-        qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
+        qkv = normed_linear(layer.qkv, x, layer.attn_norm, cfg.rms_norm_eps, bf16, h)
         pages = cache.dense_pages(index)
+        window = cfg.sliding_window if layer.sliding else None
         # q/k norms in numba only with file-block weights (already off torch's bits by
         # their int8 activations): dense weights keep transformers' arithmetic
         norms = None
@@ -470,13 +573,14 @@ class Transformer:
             and qkv.dtype == torch.float32
         ):
             # one numba call: q and k heads rotated in place, k and v stored (same bits)
+            qkv = qkv.numpy().reshape(t, heads + 2 * kv_heads, cfg.head_dim)
             cos, sin = rope
             rope_and_store(
-                qkv.numpy(), cos.numpy(), sin.numpy(), heads + kv_heads, pages,
-                batch.write_pages.numpy(), batch.write_slots.numpy(), norms,
-            )  # fmt: skip
-            q = qkv[:, :heads]
+                qkv, cos.numpy(), sin.numpy(), heads + kv_heads, pages, *batch.host_writes, norms
+            )
+            q = torch.from_numpy(qkv[:, :heads])
         else:
+            qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
             qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
             if layer.q_norm is not None:
                 qk = torch.cat(
@@ -489,6 +593,5 @@ class Transformer:
             qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
             q, k = qk[:, :heads], qk[:, heads:]
             cache.write(index, k, v, batch)
-        window = cfg.sliding_window if layer.sliding else None
         out = cache.attend(index, q, batch, cfg.softmax_scale, window)
         return layer.o(out.reshape(t, heads * cfg.head_dim), bf16)

@@ -315,18 +315,29 @@ def prepared_activations(
     per32: bool,
     weight: np.ndarray | None = None,
     eps: float = 0.0,
+    residual: np.ndarray | None = None,
 ) -> Q8Activations | Q8KActivations:
     """Two levels of int8 activations (per 32 with ``per32``, else in super-blocks) of
     rows computed from ``x`` in the same numba call, kept as ``source``:
 
     * ``RMS_NORM``: ``x * rsqrt(mean(x^2) + eps) * weight`` (a layer's norm before q/k/v
-      or gate/up);
+      or gate/up); with ``residual`` (``[B, K]``, the last sublayer's output), ``x +=
+      residual`` first, in place (``x`` a C-contiguous float32 array: the model's residual
+      stream), the float32 sums torch's ``x + residual`` makes;
     * ``SILU_GATE`` / ``GELU_TANH_GATE``: ``x [B, 2I]`` is ``[gate | up]``, the rows
       ``act(gate) * up`` (the input of the down projection).
 
     At decode sizes each torch op costs microseconds of dispatch on vectors of a few
     hundred floats; here the op and both quantizations take about one."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    if residual is None:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        residual = _NO_RESIDUAL
+    elif op != RMS_NORM or residual.shape != x.shape:
+        raise ValueError(f"a residual of shape {residual.shape} for RMS_NORM of {x.shape}")
+    elif x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
+        raise ValueError("adding a residual needs x writable, C-contiguous float32")
+    else:
+        residual = np.ascontiguousarray(residual, dtype=np.float32)
     b, k = x.shape[0], x.shape[1] // (1 if op == RMS_NORM else 2)
     if op == RMS_NORM and (weight is None or weight.shape != (k,)):
         raise ValueError(f"RMS_NORM needs a weight of shape ({k},)")
@@ -334,25 +345,31 @@ def prepared_activations(
     src = np.empty((b, k), np.float32)
     if per32:
         act = _two_level_buffers(b, k)
-        _prepared_two_level(x, op, w, eps, src, act.q, act.scale, act.sum16, act.sum32)
+        _prepared_two_level(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32)
     else:
         act = _super_block_buffers(b, k, 2)
         _prepared_super_blocks(
-            x, op, w, eps, src, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *_pairs(act)
-        )
+            x, op, w, eps, residual, src, act.q, act.q_k4, act.d, act.bsum16, act.bsum32,
+            *_pairs(act),
+        )  # fmt: skip
     act.source = src
     return act
 
 
 _NO_WEIGHT = np.empty(0, np.float32)
+_NO_RESIDUAL = np.empty((0, 0), np.float32)
 
 
 @numba.njit(**JIT)
-def _prepare(x, op, w, eps, out):
+def _prepare(x, op, w, eps, residual, out):
     """``out [B, K]`` from ``x`` as :func:`prepared_activations` says (float32 products,
-    the sum of squares in float64)."""
+    the sum of squares in float64); ``residual`` (``[0, 0]`` for none) added to ``x``
+    first."""
     batch, k = out.shape
     for b in range(batch):
+        if residual.shape[0]:
+            for i in range(k):
+                x[b, i] += residual[b, i]
         if op == RMS_NORM:
             total = 0.0
             for i in range(k):
@@ -372,12 +389,14 @@ def _prepare(x, op, w, eps, out):
 
 
 @numba.njit(**JIT)
-def _prepared_two_level(x, op, w, eps, src, q, scale, sum16, sum32):
-    _prepare(x, op, w, eps, src)
+def _prepared_two_level(x, op, w, eps, residual, src, q, scale, sum16, sum32):
+    _prepare(x, op, w, eps, residual, src)
     _two_level(src, q, scale, sum16, sum32)
 
 
 @numba.njit(**JIT)
-def _prepared_super_blocks(x, op, w, eps, src, q, q_k4, d, bsum16, bsum32, pair16, pair32):
-    _prepare(x, op, w, eps, src)
+def _prepared_super_blocks(
+    x, op, w, eps, residual, src, q, q_k4, d, bsum16, bsum32, pair16, pair32
+):
+    _prepare(x, op, w, eps, residual, src)
     _quantize_k(src, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)

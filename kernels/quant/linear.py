@@ -80,6 +80,8 @@ class BlockLinear(PartsLinear):
         "out_features",
         "_per32",
         "_groups",
+        "_take",
+        "_bias",
     )
 
     def __init__(
@@ -102,6 +104,9 @@ class BlockLinear(PartsLinear):
             raise ValueError(f"perm of shape {tuple(perm.shape)} for {self.out_features} outputs")
         self.bias = bias
         self.perm = perm
+        # numpy copies for the products, which are numpy arrays until returned
+        self._take = None if perm is None else perm.numpy()
+        self._bias = None if bias is None else bias.float().numpy()
         # whether any part's kernel reads activations per 32 (else only super-blocks are made)
         self._per32 = any(
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
@@ -116,39 +121,67 @@ class BlockLinear(PartsLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = self._finish(self._matmul(x2.contiguous()))
+        y = torch.from_numpy(self._finish(self._matmul(x2.contiguous())))
         return y.reshape(*lead, self.out_features)
-
-    def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            y = y.index_select(1, self.perm)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
         few enough for the decode kernels (the row count alone decides, as in ``__call__``)."""
         return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS
 
-    def normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def normed(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``self(rms_norm(x) * weight)`` for rows that :meth:`fuses`: the norm and the
-        activations' quantization in one numba call."""
-        act = prepared_activations(x.numpy(), RMS_NORM, self._per32, weight.numpy(), eps)
-        return self._finish(self._decode(torch.from_numpy(act.source), act))
+        activations' quantization in one numba call; with ``residual`` (float32, ``x``'s
+        shape), ``x += residual`` first, in place, in the same call."""
+        res = None if residual is None else residual.numpy()
+        return torch.from_numpy(self.normed_rows(x.numpy(), weight.numpy(), eps, res))
 
     def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         """``self(act(gate) * up)`` (SiLU, or with ``gelu`` tanh-approximated GELU) for
         ``gate_up = [gate | up]`` rows that :meth:`fuses`: the gate and the activations'
         quantization in one numba call."""
-        op = GELU_TANH_GATE if gelu else SILU_GATE
-        act = prepared_activations(gate_up.numpy(), op, self._per32)
-        return self._finish(self._decode(torch.from_numpy(act.source), act))
+        return torch.from_numpy(self.gated_rows(gate_up.numpy(), gelu))
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    # The same on numpy rows (float32 ``[T, K]``, T at most DECODE_MAX_ROWS), numpy out: a
+    # decode step on the CPU runs its layers so (``Transformer.forward``), each torch op
+    # or conversion costing about a microsecond of dispatch on vectors this small.
+
+    def rows(self, x: np.ndarray) -> np.ndarray:
+        """``self(x)``."""
+        return self._finish(self._decode(x))
+
+    def normed_rows(
+        self,
+        x: np.ndarray,
+        weight: np.ndarray,
+        eps: float,
+        residual: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """:meth:`normed`."""
+        act = prepared_activations(x, RMS_NORM, self._per32, weight, eps, residual)
+        return self._finish(self._decode(act.source, act))
+
+    def gated_rows(self, gate_up: np.ndarray, gelu: bool) -> np.ndarray:
+        """:meth:`gated`."""
+        act = prepared_activations(gate_up, GELU_TANH_GATE if gelu else SILU_GATE, self._per32)
+        return self._finish(self._decode(act.source, act))
+
+    def _finish(self, y: np.ndarray) -> np.ndarray:
+        """The product's columns permuted (``perm``), plus the bias."""
+        if self._take is not None:
+            y = y.take(self._take, axis=1)
+        return y if self._bias is None else y + self._bias
+
+    def _matmul(self, x: torch.Tensor) -> np.ndarray:
         rows = x.shape[0]
         if rows <= DECODE_MAX_ROWS:
-            return self._decode(x)
+            return self._decode(x.numpy())
         out = np.empty((rows, self.out_features), np.float32)
         # Q4_K / Q6_K: the decode kernel, DECODE_MAX_ROWS rows a call; each row comes out
         # as decoding it alone would, and sooner than from float32 tiles (where the
@@ -157,7 +190,9 @@ class BlockLinear(PartsLinear):
         chunked = [g for g in self._groups if _super_blocks(g)]
         for i in range(0, rows if chunked else 0, DECODE_MAX_ROWS):
             self._decode(
-                x[i : i + DECODE_MAX_ROWS], out=out[i : i + DECODE_MAX_ROWS], groups=chunked
+                x[i : i + DECODE_MAX_ROWS].numpy(),
+                out=out[i : i + DECODE_MAX_ROWS],
+                groups=chunked,
             )
         # the other types: float32 tiles, exact products of the dequantized weights (bf16
         # tiles round every output to 8 bits of mantissa: SmolLM2's argmax then moved at
@@ -174,15 +209,15 @@ class BlockLinear(PartsLinear):
                 part_cols = torch.from_numpy(cols[:, first : first + p.out_features])
                 prefill_matmul(x, p, dtype=torch.float32, out=part_cols)
                 first += p.out_features
-        return torch.from_numpy(out)
+        return out
 
     def _decode(
         self,
-        x: torch.Tensor,
+        x: np.ndarray,
         act: Q8Activations | Q8KActivations | None = None,
         out: np.ndarray | None = None,
         groups: list[_Group] | None = None,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """Two levels of int8 activations (``act``: already made from ``x``); each group
         of parts (all, or ``groups``) in one kernel call that writes its columns of the
         output (``out``, else a new array; the levels summed in the kernel)."""
@@ -190,19 +225,19 @@ class BlockLinear(PartsLinear):
         out = np.empty((rows, self.out_features), np.float32) if out is None else out
         if act is None:
             act = (
-                two_level_activations(x.numpy())
+                two_level_activations(x)
                 if self._per32 and groups is None
-                else quantize_super_blocks(x.numpy(), levels=2)
+                else quantize_super_blocks(x, levels=2)
             )
         for group in self._groups if groups is None else groups:
             cols = out[:, group.first : group.first + group.columns]
             if group.table is None:  # a float part
-                cols[:] = _float_part(x, group.parts[0]).numpy()
+                cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
                 continue
             kind = group.parts[0].kind
             levels, *args = parts_kernel_args(kind, act, rows)
             kind.decode_parts(group.table, group.row_bytes, levels, *args, cols, decode_tasks())
-        return torch.from_numpy(out)
+        return out
 
 
 @dataclass(frozen=True)

@@ -163,3 +163,49 @@ def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
     grown = anon() - before
     assert grown < 0.05 * size + (2 << 20), f"anonymous memory grew by {grown:,} bytes for a {size:,}-byte file"
     assert loaded.weight_bytes > 0.9 * size
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_host_decode_layers_equal_the_torch_layers(family, mix, tmp_path, monkeypatch):
+    """A decode step on the CPU over file blocks runs its layers on numpy arrays
+    (`Transformer._host_layer`): the same logits and the same stored K/V, bit for bit, as
+    the torch layers (per-head q/k permutation, q/k biases, q/k norms, post norms and
+    sliding windows among the families)."""
+    from engine.model.transformer import Transformer
+
+    model = make_hf_model(family, seed=13, tie_word_embeddings=False)
+    default = Q.Q8_0 if mix == "Q8_0" else Q.Q4_K
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES[mix], default=default, seed=5)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    host_arrays = Transformer._on_host_arrays
+    host_layers = []
+    monkeypatch.setattr(Transformer, "_host_layer", _counted(Transformer._host_layer, host_layers))
+    prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(6))
+
+    def decode(host: bool):
+        monkeypatch.setattr(Transformer, "_on_host_arrays", lambda *a: host and host_arrays(*a))
+        cache = KVCache.for_model(loaded, CacheSettings(page_size=16, token_budget=64))
+        runner = SequenceRunner(loaded, cache, prompt.tolist(), 4)
+        runner.step()
+        logits = []
+        for token in (5, 17, 2, 9):
+            runner.append(token)
+            logits.append(runner.step())
+        pages = [t["data"].clone() for t in cache.storage.k + cache.storage.v]
+        return torch.stack(logits), pages
+
+    host_logits, host_pages = decode(True)
+    assert len(host_layers) == 4 * len(loaded.model.layers)
+    torch_logits, torch_pages = decode(False)
+    assert len(host_layers) == 4 * len(loaded.model.layers)
+    assert torch.equal(host_logits, torch_logits)
+    assert all(torch.equal(a, b) for a, b in zip(host_pages, torch_pages))
+
+
+def _counted(method, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    return counted

@@ -247,6 +247,27 @@ def test_prepared_activations_quantize_the_op_they_compute(per32):
         prepared_activations(x, RMS_NORM, per32, w[:32])
 
 
+@pytest.mark.parametrize("per32", [True, False])
+def test_prepared_norm_adds_the_residual_first(per32):
+    """``RMS_NORM`` with a residual: ``x += residual`` in place, the float32 sums torch's
+    add makes, then the activations of the sum exactly as without one."""
+    from kernels.quant.activations import RMS_NORM, prepared_activations
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, K)).astype(np.float32) * 3
+    residual = rng.standard_normal((3, K)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    total = (torch.from_numpy(x) + torch.from_numpy(residual)).numpy()
+    act = prepared_activations(x, RMS_NORM, per32, w, 1e-5, residual)
+    assert np.array_equal(x, total)
+    alone = prepared_activations(total, RMS_NORM, per32, w, 1e-5)
+    assert np.array_equal(act.source, alone.source) and np.array_equal(act.q, alone.q)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        prepared_activations(np.asfortranarray(x), RMS_NORM, per32, w, 1e-5, residual)
+    with pytest.raises(ValueError, match="residual of shape"):
+        prepared_activations(x, RMS_NORM, per32, w, 1e-5, residual[:2])
+
+
 @pytest.mark.parametrize("qtypes", [(Q.Q4_1, Q.Q4_1, Q.Q4_1), (Q.Q4_K, Q.Q6_K)])
 def test_normed_and_gated_projections_equal_the_ops_then_the_projection(qtypes):
     """`BlockLinear.normed` / `gated` (the model's decode path): the projection of the
@@ -271,6 +292,7 @@ def test_normed_and_gated_projections_equal_the_ops_then_the_projection(qtypes):
     for b in (1, 2, 4):
         assert torch.equal(lin.normed(x[b : b + 1], w, 1e-6)[0], lin.normed(x, w, 1e-6)[b])
         assert torch.equal(lin.gated(gate_up[b : b + 1], True)[0], lin.gated(gate_up, True)[b])
+    assert np.array_equal(lin.rows(x.numpy()), lin(x).numpy())  # a decode step's o projection
 
 
 def test_prefill_writes_into_the_columns_it_is_given():
