@@ -129,8 +129,8 @@ def _folio_figures(
 
 
 def _compile_kernels(path: str, weights: str, device: str) -> None:
-    """In a child process: every kernel a prompt, a prefill and decoding take on this
-    model, compiled into numba's on-disk cache if it is not there yet (nothing on a GPU)."""
+    """In a child process: every kernel a prompt, a prefill, decoding and batched
+    decoding take on this model, compiled into numba's on-disk cache if it is not there yet (nothing on a GPU)."""
     if device != "cpu":
         return
     from engine.bench.forward import prefill_then_decode
@@ -138,10 +138,16 @@ def _compile_kernels(path: str, weights: str, device: str) -> None:
     from engine.model.loader import load_model
     from kernels.quant import DECODE_MAX_ROWS
 
-    loaded = load_model(path, weight_mode=weights, load_tokenizer=False)
+    loaded = load_model(path, weight_mode=weights)  # the batched cases' prompts need its tokenizer
     cache = KVCache.for_model(loaded, CacheSettings(page_size=256, token_budget=512))
     prefill_then_decode(loaded, cache, FIRST_TOKEN_PROMPT, 2)
     prefill_then_decode(loaded, cache, DECODE_MAX_ROWS + 8, 2)
+    # batched decode steps take signatures of their own (a few tokens, and more than
+    # FEW_TOKENS): compiled here, not inside the measured S_TG cases
+    from engine.bench.batched import batched_case
+
+    for batch in (4, 16):
+        batched_case(loaded, 16, 2, batch, False)
 
 
 def _in_child(fn, *args):
