@@ -78,16 +78,17 @@ def part_of(parts, row):
 
 
 @numba.njit(**INLINE)
-def walk_row(parts, p, base, n, last, row_bytes):
+def walk_row(parts, p, base, n, last, row_bytes, next_row):
     """``(p, base, address)`` of row ``n`` for a loop over the rows ``.. last`` of a part
     table, given part ``p`` and its first row ``base`` for row ``n - 1`` (or
-    :func:`part_of` for the first); the next row, which may begin the next part, is
-    prefetched."""
+    :func:`part_of` for the first); with ``next_row`` the next row, which may begin the
+    next part, is prefetched (kernels that stream ahead block by block,
+    :func:`~kernels.quant.simd.stream_ahead`, do without)."""
     if n - base == parts[p, 1]:
         base += parts[p, 1]
         p += 1
     row_at = parts[p, 0] + (n - base) * row_bytes
-    if n + 1 < last:
+    if next_row and n + 1 < last:
         nxt = row_at + row_bytes if n + 1 - base < parts[p, 1] else parts[p + 1, 0]
         prefetch(nxt, row_bytes)
     return p, base, row_at

@@ -113,7 +113,7 @@ def decode_parts_rows(unpack, sw, signed, parts, row_bytes, levels, xq, xs, xsum
         last = min(first + per, n_rows)
         p, base = part_of(parts, first)
         for n in range(first, last):
-            p, base, row_at = walk_row(parts, p, base, n, last, row_bytes)
+            p, base, row_at = walk_row(parts, p, base, n, last, row_bytes, True)
             unpack(byte_row(row_at, row_bytes), codes, fw, fo)
             _dot_rows(
                 c_at, fw_at, fo_at, sw, signed, xq_at, xq_step, xs_at, xs_step, xsum_at,

@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.blocks import INLINE, part_of
+from kernels.quant.blocks import INLINE, part_of, walk_row
 from kernels.quant.simd import (
     F32,
     HAS_F16C,
@@ -671,15 +671,12 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
         p, base = part_of(parts, first)
         n = first
         while n < last:
-            if n - base == parts[p, 1]:
-                base += parts[p, 1]
-                p += 1
+            p, base, row_at = walk_row(parts, p, base, n, last, row_bytes, False)
             # up to ROW_GROUP consecutive rows of one part; one token alone goes row by
             # row (two Q6_K rows in registers spill: 130 against 103 us, 2048 x 2048)
             group = min(ROW_GROUP if tokens > 1 else 1, last - n, base + parts[p, 1] - n)
             if tokens <= FEW_TOKENS:
                 group = 1
-            row_at = parts[p, 0] + (n - base) * row_bytes
             o_at = out_at + 4 * n
             if tokens <= FEW_TOKENS:
                 _passes(
