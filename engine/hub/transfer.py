@@ -678,6 +678,12 @@ class _Body:
                     self._socket = None  # the connection may go back to the pool now
             self._put(self._END)
         except Exception as exc:
+            if _is_read_timeout(exc):
+                # Connected, then nothing within the read timeout: the same as a stall
+                # (which of the two timers fires first is a race).
+                stalled = _Stalled("the server stopped sending")
+                stalled.__cause__ = exc
+                exc = stalled
             self._put(exc)
         finally:
             with self._lock:
@@ -689,6 +695,12 @@ class _Body:
                 self._items.put(item, timeout=POLL_S)
                 return True
         return False
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    import httpx
+
+    return isinstance(exc, httpx.ReadTimeout | socket.timeout)
 
 
 def _socket_of(response) -> socket.socket | None:
