@@ -20,11 +20,15 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from kernels.quant.blocks import JIT
+from kernels.quant.blocks import INLINE, JIT
 from kernels.quant.simd import quantize32, quantize256
 
 ACT_BLOCK = 32
 SUPER_BLOCK = 256
+# From this many rows on, activations are quantized with the rows over numba's threads
+# (1B shape, 2 threads: making them took 10% of a 512-token prefill on one thread)
+PARALLEL_ROWS = 8
+PARALLEL = {**JIT, "parallel": True}
 
 
 @dataclass
@@ -81,9 +85,8 @@ class Q8KActivations:
             raise ValueError("int16 activations need two levels")
         if self.wide is None:
             b = self.q.shape[0] // 2
-            both = 256 * self.q_k4[:b].astype(np.int16) + self.q_k4[b:]
-            quads = both.reshape(b, -1, 16, 2, 2)  # [token, 64s, j, half, element]
-            self.wide = np.ascontiguousarray(quads.transpose(0, 1, 3, 2, 4)).reshape(b, -1)
+            self.wide = np.empty((b, self.q.shape[1]), np.int16)
+            (_widen_parallel if b >= PARALLEL_ROWS else _widen)(self.q_k4, self.wide)
         return self.wide
 
     def dequantize(self) -> np.ndarray:
@@ -92,47 +95,85 @@ class Q8KActivations:
         return (self.q.reshape(b, -1, SUPER_BLOCK) * self.d[:, :, None]).reshape(b, k)
 
 
+@numba.njit(**INLINE)
+def _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
+    """Row ``b`` of ``x`` to row ``b`` (and, with ``levels == 2``, what its rounding left to
+    row ``B + b``, at 1/256 of the first level's scale) of the super-block format, codes
+    in both orders; with two levels, the paired sums of row ``b`` too."""
+    batch, k = x.shape
+    for level in range(levels):
+        row = b + level * batch
+        for blk in range(k // SUPER_BLOCK):
+            e0 = SUPER_BLOCK * blk
+            if level == 0:
+                quantize256(
+                    x[b].ctypes.data + 4 * e0,
+                    q[row].ctypes.data + e0,
+                    d[row].ctypes.data + 4 * blk,
+                )
+                continue
+            # |rest| <= scale / 2, so codes at scale / 256 reach 128 at most: 127
+            scale = d[b, blk]
+            inv = np.float32(256.0) / scale if scale > 0 else np.float32(0.0)
+            for i in range(SUPER_BLOCK):
+                rest = x[b, e0 + i] - np.float32(q[b, e0 + i]) * scale
+                q[row, e0 + i] = np.int8(min(max(np.rint(rest * inv), -127.0), 127.0))
+            d[row, blk] = scale / np.float32(256.0)
+        for s in range(k // 16):
+            total = 0
+            for i in range(16):
+                total += np.int32(q[row, 16 * s + i])
+            bsum16[row, s] = total
+        for s in range(k // 32):
+            bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
+            # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
+            at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
+            q_k4[row, 32 * at : 32 * at + 32] = q[row, 32 * s : 32 * s + 32]
+    if levels == 2:
+        for s in range(k // 16):
+            pair16[b, s] = 256 * bsum16[b, s] + bsum16[batch + b, s]
+        for s in range(k // 32):
+            pair32[b, s] = 256 * bsum32[b, s] + bsum32[batch + b, s]
+
+
 @numba.njit(**JIT)
 def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
-    """Rows ``b`` of ``x`` to rows ``b`` (and, with ``levels == 2``, what their rounding
-    left to rows ``B + b``, at 1/256 of the first level's scale) of the super-block
-    format, codes in both orders; with two levels, the paired sums too."""
-    batch, k = x.shape
-    for b in range(batch):
-        for level in range(levels):
-            row = b + level * batch
-            for blk in range(k // SUPER_BLOCK):
-                e0 = SUPER_BLOCK * blk
-                if level == 0:
-                    quantize256(
-                        x[b].ctypes.data + 4 * e0,
-                        q[row].ctypes.data + e0,
-                        d[row].ctypes.data + 4 * blk,
-                    )
-                    continue
-                # |rest| <= scale / 2, so codes at scale / 256 reach 128 at most: 127
-                scale = d[b, blk]
-                inv = np.float32(256.0) / scale if scale > 0 else np.float32(0.0)
-                for i in range(SUPER_BLOCK):
-                    rest = x[b, e0 + i] - np.float32(q[b, e0 + i]) * scale
-                    q[row, e0 + i] = np.int8(min(max(np.rint(rest * inv), -127.0), 127.0))
-                d[row, blk] = scale / np.float32(256.0)
-            for s in range(k // 16):
-                total = 0
-                for i in range(16):
-                    total += np.int32(q[row, 16 * s + i])
-                bsum16[row, s] = total
-            for s in range(k // 32):
-                bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
-                # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
-                at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
-                q_k4[row, 32 * at : 32 * at + 32] = q[row, 32 * s : 32 * s + 32]
-    if levels == 2:
-        for b in range(batch):
-            for s in range(k // 16):
-                pair16[b, s] = 256 * bsum16[b, s] + bsum16[batch + b, s]
-            for s in range(k // 32):
-                pair32[b, s] = 256 * bsum32[b, s] + bsum32[batch + b, s]
+    """:func:`_quantize_k_row` for every row."""
+    for b in range(x.shape[0]):
+        _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+
+
+@numba.njit(**PARALLEL)
+def _quantize_k_parallel(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
+    """:func:`_quantize_k` with the rows over numba's threads (the same values)."""
+    for b in numba.prange(x.shape[0]):
+        _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+
+
+@numba.njit(**INLINE)
+def _widen_row(q_k4, b, wide):
+    """Row ``b`` of :meth:`Q8KActivations.wide_q4_k` from the two levels' Q4_K-order codes."""
+    batch = wide.shape[0]
+    for c in range(wide.shape[1] // 64):
+        for half in range(2):
+            for j in range(16):
+                for e in range(2):
+                    src = 64 * c + 4 * j + 2 * half + e
+                    wide[b, 64 * c + 32 * half + 2 * j + e] = np.int16(256) * np.int16(
+                        q_k4[b, src]
+                    ) + np.int16(q_k4[batch + b, src])
+
+
+@numba.njit(**JIT)
+def _widen(q_k4, wide):
+    for b in range(wide.shape[0]):
+        _widen_row(q_k4, b, wide)
+
+
+@numba.njit(**PARALLEL)
+def _widen_parallel(q_k4, wide):
+    for b in numba.prange(wide.shape[0]):
+        _widen_row(q_k4, b, wide)
 
 
 def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
@@ -144,7 +185,8 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
     if x.ndim != 2:
         raise ValueError(f"activations must be [B, K], got {x.shape}")
     act = _super_block_buffers(*x.shape, levels)
-    _quantize_k(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *_pairs(act))
+    quantize = _quantize_k_parallel if x.shape[0] >= PARALLEL_ROWS else _quantize_k
+    quantize(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *_pairs(act))
     return act
 
 
@@ -263,7 +305,9 @@ def two_level_activations(x: np.ndarray) -> Q8Activations:
     (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     act = _two_level_buffers(*x.shape)
-    _two_level(x, act.q, act.scale, act.sum16, act.sum32)
+    (_two_level_parallel if x.shape[0] >= PARALLEL_ROWS else _two_level)(
+        x, act.q, act.scale, act.sum16, act.sum32
+    )
     act.source = x
     return act
 
@@ -280,29 +324,41 @@ def _two_level_buffers(b: int, k: int) -> Q8Activations:
     )
 
 
-@numba.njit(**JIT)
-def _two_level(x, q, scale, sum16, sum32):
+@numba.njit(**INLINE)
+def _two_level_row(x, b, q, scale, sum16, sum32):
+    """Row ``b`` of ``x`` to rows ``b`` and ``B + b`` of :func:`two_level_activations`."""
     batch, k = x.shape
     four = np.empty(4, np.float32)
     rest = np.empty(32, np.float32)
-    for b in range(batch):
-        x_at = x[b].ctypes.data
-        for level in range(2):
-            row = b + level * batch
-            q_at = q[row].ctypes.data
-            for blk in range(k // 32):
-                if level == 0:
-                    src = x_at + 128 * blk
-                else:
-                    d = scale[b, blk]
-                    for i in range(32):
-                        rest[i] = x[b, 32 * blk + i] - np.float32(q[b, 32 * blk + i]) * d
-                    src = rest.ctypes.data
-                quantize32(src, q_at + 32 * blk, four.ctypes.data)
-                scale[row, blk] = four[0]
-                sum16[row, 2 * blk] = four[1]
-                sum16[row, 2 * blk + 1] = four[2]
-                sum32[row, blk] = four[3]
+    x_at = x[b].ctypes.data
+    for level in range(2):
+        row = b + level * batch
+        q_at = q[row].ctypes.data
+        for blk in range(k // 32):
+            if level == 0:
+                src = x_at + 128 * blk
+            else:
+                d = scale[b, blk]
+                for i in range(32):
+                    rest[i] = x[b, 32 * blk + i] - np.float32(q[b, 32 * blk + i]) * d
+                src = rest.ctypes.data
+            quantize32(src, q_at + 32 * blk, four.ctypes.data)
+            scale[row, blk] = four[0]
+            sum16[row, 2 * blk] = four[1]
+            sum16[row, 2 * blk + 1] = four[2]
+            sum32[row, blk] = four[3]
+
+
+@numba.njit(**JIT)
+def _two_level(x, q, scale, sum16, sum32):
+    for b in range(x.shape[0]):
+        _two_level_row(x, b, q, scale, sum16, sum32)
+
+
+@numba.njit(**PARALLEL)
+def _two_level_parallel(x, q, scale, sum16, sum32):
+    for b in numba.prange(x.shape[0]):
+        _two_level_row(x, b, q, scale, sum16, sum32)
 
 
 # What prepared_activations computes from its input rows before quantizing them.
@@ -345,10 +401,12 @@ def prepared_activations(
     src = np.empty((b, k), np.float32)
     if per32:
         act = _two_level_buffers(b, k)
-        _prepared_two_level(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32)
+        prepare = _prepared_two_level_parallel if b >= PARALLEL_ROWS else _prepared_two_level
+        prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32)
     else:
         act = _super_block_buffers(b, k, 2)
-        _prepared_super_blocks(
+        prepare = _prepared_super_blocks_parallel if b >= PARALLEL_ROWS else _prepared_super_blocks
+        prepare(
             x, op, w, eps, residual, src, act.q, act.q_k4, act.d, act.bsum16, act.bsum32,
             *_pairs(act),
         )  # fmt: skip
@@ -360,43 +418,64 @@ _NO_WEIGHT = np.empty(0, np.float32)
 _NO_RESIDUAL = np.empty((0, 0), np.float32)
 
 
-@numba.njit(**JIT)
-def _prepare(x, op, w, eps, residual, out):
-    """``out [B, K]`` from ``x`` as :func:`prepared_activations` says (float32 products,
-    the sum of squares in float64); ``residual`` (``[0, 0]`` for none) added to ``x``
-    first."""
-    batch, k = out.shape
-    for b in range(batch):
-        if residual.shape[0]:
-            for i in range(k):
-                x[b, i] += residual[b, i]
-        if op == RMS_NORM:
-            total = 0.0
-            for i in range(k):
-                total += np.float64(x[b, i]) * np.float64(x[b, i])
-            inv = np.float32(1.0 / np.sqrt(total / k + eps))
-            for i in range(k):
-                out[b, i] = x[b, i] * inv * w[i]
-        elif op == SILU_GATE:
-            for i in range(k):
-                g = x[b, i]
-                out[b, i] = g / (np.float32(1.0) + np.exp(-g)) * x[b, k + i]
-        else:
-            for i in range(k):
-                g = x[b, i]
-                inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
-                out[b, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * x[b, k + i]
+@numba.njit(**INLINE)
+def _prepare_row(x, b, op, w, eps, residual, out):
+    """Row ``b`` of ``out [B, K]`` from ``x`` as :func:`prepared_activations` says (float32
+    products, the sum of squares in float64); ``residual`` (``[0, 0]`` for none) added to
+    ``x`` first."""
+    k = out.shape[1]
+    if residual.shape[0]:
+        for i in range(k):
+            x[b, i] += residual[b, i]
+    if op == RMS_NORM:
+        total = 0.0
+        for i in range(k):
+            total += np.float64(x[b, i]) * np.float64(x[b, i])
+        inv = np.float32(1.0 / np.sqrt(total / k + eps))
+        for i in range(k):
+            out[b, i] = x[b, i] * inv * w[i]
+    elif op == SILU_GATE:
+        for i in range(k):
+            g = x[b, i]
+            out[b, i] = g / (np.float32(1.0) + np.exp(-g)) * x[b, k + i]
+    else:
+        for i in range(k):
+            g = x[b, i]
+            inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+            out[b, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * x[b, k + i]
+
+
+# Each row prepared, then quantized: the rows are independent, so one after the other
+# or over numba's threads (PARALLEL_ROWS rows and more), the same values.
 
 
 @numba.njit(**JIT)
 def _prepared_two_level(x, op, w, eps, residual, src, q, scale, sum16, sum32):
-    _prepare(x, op, w, eps, residual, src)
-    _two_level(src, q, scale, sum16, sum32)
+    for b in range(src.shape[0]):
+        _prepare_row(x, b, op, w, eps, residual, src)
+        _two_level_row(src, b, q, scale, sum16, sum32)
+
+
+@numba.njit(**PARALLEL)
+def _prepared_two_level_parallel(x, op, w, eps, residual, src, q, scale, sum16, sum32):
+    for b in numba.prange(src.shape[0]):
+        _prepare_row(x, b, op, w, eps, residual, src)
+        _two_level_row(src, b, q, scale, sum16, sum32)
 
 
 @numba.njit(**JIT)
 def _prepared_super_blocks(
     x, op, w, eps, residual, src, q, q_k4, d, bsum16, bsum32, pair16, pair32
 ):
-    _prepare(x, op, w, eps, residual, src)
-    _quantize_k(src, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+    for b in range(src.shape[0]):
+        _prepare_row(x, b, op, w, eps, residual, src)
+        _quantize_k_row(src, b, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+
+
+@numba.njit(**PARALLEL)
+def _prepared_super_blocks_parallel(
+    x, op, w, eps, residual, src, q, q_k4, d, bsum16, bsum32, pair16, pair32
+):
+    for b in numba.prange(src.shape[0]):
+        _prepare_row(x, b, op, w, eps, residual, src)
+        _quantize_k_row(src, b, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)

@@ -247,6 +247,57 @@ def test_prepared_activations_quantize_the_op_they_compute(per32):
         prepared_activations(x, RMS_NORM, per32, w[:32])
 
 
+@pytest.mark.parametrize(
+    "per32, prepared, levels",
+    # per 32 and prepared activations come in two levels only
+    [(False, None, 1)] + [(p, op, 2) for p in (True, False) for op in (None, "norm", "gate")],
+)
+def test_many_rows_quantize_as_each_row_alone(per32, prepared, levels):
+    """From PARALLEL_ROWS rows on, the activations are made with the rows over numba's
+    threads: every array the same bits as each row made alone (the serial path)."""
+    from kernels.quant.activations import (
+        PARALLEL_ROWS,
+        RMS_NORM,
+        SILU_GATE,
+        prepared_activations,
+    )
+
+    rows = PARALLEL_ROWS + 3
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((rows, 2 * K if prepared == "gate" else K)).astype(np.float32) * 3
+    x[2, 5] = 70.0  # an outlier
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    residual = rng.standard_normal((rows, K)).astype(np.float32)
+
+    def make(r: np.ndarray, res: np.ndarray | None):
+        if prepared == "norm":
+            return prepared_activations(r, RMS_NORM, per32, w, 1e-5, res)
+        if prepared == "gate":
+            return prepared_activations(r, SILU_GATE, per32)
+        return two_level_activations(r) if per32 else quantize_super_blocks(r, levels)
+
+    whole_x = x.copy()
+    whole = make(whole_x, residual if prepared == "norm" else None)
+    alone = []
+    for b in range(rows):
+        row = x[b : b + 1].copy()
+        alone.append(make(row, residual[b : b + 1] if prepared == "norm" else None))
+        if prepared == "norm":
+            assert np.array_equal(row[0], whole_x[b])  # the residual added in place
+    fields = ("q", "scale", "sum16", "sum32") if per32 else ("q", "q_k4", "d", "bsum16", "bsum32")
+    for name in fields:
+        got = getattr(whole, name)
+        want = np.concatenate(
+            [getattr(a, name)[level : level + 1] for level in range(levels) for a in alone]
+        )
+        assert np.array_equal(got, want), name
+    if not per32 and levels == 2:
+        for name in ("pair16", "pair32"):
+            want = np.concatenate([getattr(a, name) for a in alone])
+            assert np.array_equal(getattr(whole, name), want), name
+        assert np.array_equal(whole.wide_q4_k(), np.concatenate([a.wide_q4_k() for a in alone]))
+
+
 @pytest.mark.parametrize("per32", [True, False])
 def test_prepared_norm_adds_the_residual_first(per32):
     """``RMS_NORM`` with a residual: ``x += residual`` in place, the float32 sums torch's

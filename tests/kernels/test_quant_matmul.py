@@ -402,17 +402,20 @@ def test_wide_q4_k_codegen():
     assert not re.search("vpmaddubsw|vpdpbusd", asm)
 
 
-def test_wide_activations_pair_the_two_levels():
+@pytest.mark.parametrize("rows", [3, 11])
+def test_wide_activations_pair_the_two_levels(rows):
     """``wide_q4_k``: per token 256 x level 0 + level 1 in Q4_K's order, each 64 as the
-    elements 4j, 4j+1 (j < 16) then 4j+2, 4j+3."""
-    from kernels.quant.activations import quantize_super_blocks
+    elements 4j, 4j+1 (j < 16) then 4j+2, 4j+3 (made row by row, or, from PARALLEL_ROWS
+    rows on, over numba's threads)."""
+    from kernels.quant.activations import PARALLEL_ROWS, quantize_super_blocks
 
-    x = np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32) * 5
+    assert 3 < PARALLEL_ROWS <= 11
+    x = np.random.default_rng(3).standard_normal((rows, 512)).astype(np.float32) * 5
     act = quantize_super_blocks(x, levels=2)
     wide = act.wide_q4_k()
-    assert wide.dtype == np.int16 and wide.shape == (3, 512)
-    both = 256 * act.q_k4[:3].astype(np.int64) + act.q_k4[3:]
-    for t in range(3):
+    assert wide.dtype == np.int16 and wide.shape == (rows, 512)
+    both = 256 * act.q_k4[:rows].astype(np.int64) + act.q_k4[rows:]
+    for t in range(rows):
         for c in range(512 // 64):
             chunk = both[t, 64 * c : 64 * c + 64]
             want = [chunk[4 * (i // 2) + 2 * h + i % 2] for h in range(2) for i in range(32)]
