@@ -27,6 +27,9 @@ from kernels.quant.linear import BlockEmbedding, BlockLinear
 from kernels.quant.matmul import DECODE_MAX_ROWS
 from kernels.rope import rope_and_store
 
+# Rows of a long prompt's MLP at a time, where that costs nothing (Transformer._mlp)
+MLP_ROWS = 128
+
 
 class Linear:
     """y = x W^T (+ b), with W dense, int8- or int4-packed.
@@ -545,11 +548,38 @@ class Transformer:
         h = self._attention(layer, index, x, h, batch, cache, rope, bf16)
         if layer.post_attn_norm is not None:
             h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
-        h = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16, h)
-        h = gated_linear(layer.down, h, cfg.hidden_act, bf16)
+        h = self._mlp(layer, x, h, bf16)
         if layer.post_mlp_norm is not None:
             h = rms_norm(h, layer.post_mlp_norm, cfg.rms_norm_eps)
         return h
+
+    def _mlp(self, layer: Layer, x: torch.Tensor, h: torch.Tensor, bf16: bool) -> torch.Tensor:
+        """The MLP of ``x`` plus ``h`` (added in place). A long prompt over super-block
+        weights goes MLP_ROWS rows at a time (no chunk of DECODE_MAX_ROWS rows or fewer,
+        which would take the decode path's fused norm): the same values, and its
+        ``[T, 2 * intermediate]`` products stop setting the peak RSS of a prefill
+        (512 tokens at the 1B shape: 64 MB of them)."""
+        cfg = self.config
+        t = x.shape[0]
+        if t <= MLP_ROWS or not (
+            isinstance(layer.gate_up, BlockLinear)
+            and isinstance(layer.down, BlockLinear)
+            and layer.gate_up.prefills_in_row_chunks
+            and layer.down.prefills_in_row_chunks
+        ):
+            g = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16, h)
+            return gated_linear(layer.down, g, cfg.hidden_act, bf16)
+        out = torch.empty((t, layer.down.out_features), dtype=torch.float32)
+        first = 0
+        while first < t:
+            last = first + MLP_ROWS if t - first - MLP_ROWS > DECODE_MAX_ROWS else t
+            rows = slice(first, last)
+            g = normed_linear(
+                layer.gate_up, x[rows], layer.mlp_norm, cfg.rms_norm_eps, bf16, h[rows]
+            )
+            out[rows] = gated_linear(layer.down, g, cfg.hidden_act, bf16)
+            first = last
+        return out
 
     def _attention(
         self, layer: Layer, index: int, x, h, batch: StepBatch, cache: KVCache, rope, bf16: bool

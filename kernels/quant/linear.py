@@ -124,6 +124,14 @@ class BlockLinear(PartsLinear):
         y = torch.from_numpy(self._finish(self._matmul(x2.contiguous())))
         return y.reshape(*lead, self.out_features)
 
+    @property
+    def prefills_in_row_chunks(self) -> bool:
+        """Whether every part of more than DECODE_MAX_ROWS rows goes through the decode
+        kernels DECODE_MAX_ROWS rows at a time (super-block types only: the others
+        dequantize tiles for torch's GEMM, once per call), so that a caller can split its
+        rows into calls at no cost."""
+        return all(_super_blocks(g) for g in self._groups)
+
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
         few enough for the decode kernels (the row count alone decides, as in ``__call__``)."""

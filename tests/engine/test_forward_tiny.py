@@ -209,3 +209,43 @@ def _counted(method, calls: list):
         return method(*args, **kwargs)
 
     return counted
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0"])
+def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, monkeypatch):
+    """Over super-block weights a prompt longer than MLP_ROWS goes through each MLP that
+    many rows at a time (never leaving DECODE_MAX_ROWS rows or fewer, which would take the
+    decode path): the logits and stored K/V equal one pass's bit for bit. Weights of
+    32-element blocks (a GEMM on dequantized tiles per call) keep one pass."""
+    import engine.model.transformer as transformer_module
+    from kernels.quant import DECODE_MAX_ROWS
+    from kernels.quant.linear import BlockLinear
+
+    model = make_hf_model("llama", seed=14, tie_word_embeddings=False)
+    default = Q.Q8_0 if mix == "Q8_0" else Q.Q4_K
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES[mix], default=default, seed=7)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    mlp_rows = DECODE_MAX_ROWS + 8
+    n = 3 * mlp_rows + DECODE_MAX_ROWS  # the last 32 rows join the chunk before them
+    prompt = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(8))
+    calls = []
+    call = BlockLinear.__call__
+    monkeypatch.setattr(BlockLinear, "__call__", lambda self, x, bf16=False: calls.append(x.shape[0]) or call(self, x, bf16))
+
+    def prefill(rows: int):
+        monkeypatch.setattr(transformer_module, "MLP_ROWS", rows)
+        calls.clear()
+        cache = KVCache.for_model(loaded, CacheSettings(page_size=16, token_budget=n + 16))
+        logits = SequenceRunner(loaded, cache, prompt.tolist(), 2).step(n, all_logits=True)
+        return logits, [t["data"].clone() for t in cache.storage.k + cache.storage.v], list(calls)
+
+    whole, whole_pages, whole_calls = prefill(10 * n)
+    chunked, chunked_pages, chunked_calls = prefill(mlp_rows)
+    assert torch.equal(whole, chunked)
+    assert all(torch.equal(a, b) for a, b in zip(whole_pages, chunked_pages))
+    layers = len(loaded.model.layers)
+    if mix == "Q4_K_M":  # gate_up and down 3 calls a layer, the last of 2 * 32 + 8 rows
+        assert chunked_calls.count(mlp_rows + DECODE_MAX_ROWS) == 2 * layers
+        assert min(chunked_calls) > DECODE_MAX_ROWS
+    else:
+        assert chunked_calls == whole_calls
