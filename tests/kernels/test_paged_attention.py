@@ -367,6 +367,33 @@ def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shape
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+def test_numba_decode_exp_is_within_a_few_ulps():
+    """The decode kernel's vectorised exp of scores less their maximum (x <= 0): within
+    3e-7 of float64's exp down to -87, where float32 keeps normal numbers; below, tiny."""
+    import numba
+    import numpy as np
+
+    from kernels.paged_attention import _exp_into
+
+    @numba.njit
+    def run(x, out, bits):
+        _exp_into(x, out, bits, x.shape[0])
+
+    x = np.concatenate(
+        [np.linspace(-87.0, 0.0, 200_001), -np.logspace(-8, 0, 1001), [0.0, -0.5, -1e-30]]
+    ).astype(np.float32)
+    out = np.empty_like(x)
+    run(x, out, np.empty(x.shape, np.int32))
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out / want - 1)) < 3e-7
+    assert out[x == 0].min() == 1.0
+    low = np.array([-87.5, -100.0, -1e4], np.float32)
+    tail = np.empty_like(low)
+    run(low, tail, np.empty(3, np.int32))
+    assert np.all((tail >= 0) & (tail < 2e-38))
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 def test_numba_decode_rejects_fp16_pages_and_prefill():
     half = KVFormat(None, torch.float16)
     case = make_case(DECODE, 16, fmt_k=half, fmt_v=half)
