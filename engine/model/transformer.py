@@ -569,7 +569,7 @@ class Transformer:
         ):
             g = normed_linear(layer.gate_up, x, layer.mlp_norm, cfg.rms_norm_eps, bf16, h)
             return gated_linear(layer.down, g, cfg.hidden_act, bf16)
-        out = torch.empty((t, layer.down.out_features), dtype=torch.float32)
+        out = torch.empty((t, layer.down.out_features), dtype=torch.float32, device=x.device)
         first = 0
         while first < t:
             last = first + MLP_ROWS if t - first - MLP_ROWS > DECODE_MAX_ROWS else t
