@@ -31,6 +31,12 @@ PARALLEL_ROWS = 8
 PARALLEL = {**JIT, "parallel": True}
 
 
+def _by_rows(rows: int, serial, parallel):
+    """Of a serial driver and its twin with the rows over numba's threads, the one for
+    ``rows`` rows (the same values either way)."""
+    return parallel if rows >= PARALLEL_ROWS else serial
+
+
 @dataclass
 class Q8KActivations:
     """``[B, K]`` activations in super-blocks (llama.cpp's Q8_K): int8 codes ``q`` with
@@ -86,7 +92,7 @@ class Q8KActivations:
         if self.wide is None:
             b = self.q.shape[0] // 2
             self.wide = np.empty((b, self.q.shape[1]), np.int16)
-            (_widen_parallel if b >= PARALLEL_ROWS else _widen)(self.q_k4, self.wide)
+            _by_rows(b, _widen, _widen_parallel)(self.q_k4, self.wide)
         return self.wide
 
     def dequantize(self) -> np.ndarray:
@@ -185,7 +191,7 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
     if x.ndim != 2:
         raise ValueError(f"activations must be [B, K], got {x.shape}")
     act = _super_block_buffers(*x.shape, levels)
-    quantize = _quantize_k_parallel if x.shape[0] >= PARALLEL_ROWS else _quantize_k
+    quantize = _by_rows(x.shape[0], _quantize_k, _quantize_k_parallel)
     quantize(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *_pairs(act))
     return act
 
@@ -305,9 +311,7 @@ def two_level_activations(x: np.ndarray) -> Q8Activations:
     (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     act = _two_level_buffers(*x.shape)
-    (_two_level_parallel if x.shape[0] >= PARALLEL_ROWS else _two_level)(
-        x, act.q, act.scale, act.sum16, act.sum32
-    )
+    _by_rows(x.shape[0], _two_level, _two_level_parallel)(x, act.q, act.scale, act.sum16, act.sum32)
     act.source = x
     return act
 
@@ -401,11 +405,11 @@ def prepared_activations(
     src = np.empty((b, k), np.float32)
     if per32:
         act = _two_level_buffers(b, k)
-        prepare = _prepared_two_level_parallel if b >= PARALLEL_ROWS else _prepared_two_level
+        prepare = _by_rows(b, _prepared_two_level, _prepared_two_level_parallel)
         prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32)
     else:
         act = _super_block_buffers(b, k, 2)
-        prepare = _prepared_super_blocks_parallel if b >= PARALLEL_ROWS else _prepared_super_blocks
+        prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
         prepare(
             x, op, w, eps, residual, src, act.q, act.q_k4, act.d, act.bsum16, act.bsum32,
             *_pairs(act),
