@@ -155,6 +155,19 @@ class JobHandle:
         self._engine.cancel(self.job_id)
 
 
+def _warm_up(loaded: LoadedModel, settings: CacheSettings, calibration) -> str:
+    """`engine.model.runner.warm_up`; "" when it ran, else what went wrong (logged: the
+    first job meets the same fault and reports it as its own error)."""
+    from engine.model.runner import warm_up
+
+    try:
+        warm_up(loaded, settings, calibration)
+    except Exception as exc:  # noqa: BLE001 - the engine starts; each job reports its own fault
+        log.warning("warming the kernels up failed: %s", exc)
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 class Engine:
     """Owns model, cache and generator; `start()` runs the loop thread (a context
     manager does start and shutdown)."""
@@ -169,9 +182,9 @@ class Engine:
     ):
         self.loaded = loaded
         cache_settings = cache_settings or CacheSettings()
-        self.cache = KVCache.for_model(
-            loaded, cache_settings, calibration_for(loaded, cache_settings)
-        )
+        calibration = calibration_for(loaded, cache_settings)
+        self.cache = KVCache.for_model(loaded, cache_settings, calibration)
+        self.warm_up_error = _warm_up(loaded, cache_settings, calibration)
         self._weight_bytes = loaded.weight_bytes  # summed once: the snapshots repeat it
         self.telemetry = Telemetry(history=telemetry_history)
         self.generator = Generator(loaded, self.cache, settings, self.telemetry)

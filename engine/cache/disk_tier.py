@@ -73,6 +73,7 @@ _CRC = struct.Struct("<I")
 _NO_PARENT = bytes(DIGEST_SIZE)
 _SCAN_CHUNK = 1 << 20
 _READ_SPAN = 64 << 20  # the most one read_chain call reads at once
+_IOV_MAX = 512  # buffers per preadv call (POSIX guarantees 16, Linux takes 1024)
 _MAX_READS_AHEAD = 4  # chains read ahead and not yet taken (each up to its chain's size)
 
 
@@ -272,6 +273,20 @@ def _checked(entry: DiskEntry, raw: memoryview) -> memoryview | None:
     ):
         return None
     return payload
+
+
+def _payload_ok(entry: DiskEntry, head: bytes | bytearray, buffers: Sequence[np.ndarray]) -> bool:
+    """Whether a record read as its header ``head`` and its payload in ``buffers`` (end to
+    end) is ``entry``'s, whole and intact (the checks of `_checked`)."""
+    decoded = _decode_header(bytes(head))
+    if decoded is None or decoded[0] != entry.hash or decoded[2] != entry.length:
+        return False
+    if sum(b.nbytes for b in buffers) != entry.length:
+        return False
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc == decoded[3]
 
 
 def _prefixes(hashes: Iterator[bytes]) -> np.ndarray:
@@ -659,7 +674,7 @@ class DiskTier:
                 for entry, _, offset in planned[i:j]:
                     at = offset - first
                     payload = _checked(entry, view[at : at + entry.record_bytes])
-                    if not self._settle(entry, seg, offset, payload):
+                    if not self._settle(entry, seg, offset, payload is not None):
                         return out
                     assert payload is not None
                     out.append(payload)
@@ -669,7 +684,70 @@ class DiskTier:
                 os.close(fd)
         return out
 
-    def _settle(self, entry: DiskEntry, seg: int, offset: int, payload: memoryview | None) -> bool:
+    def has_read_ahead(self, head: bytes) -> bool:
+        """Whether a `read_ahead` of the chain starting at ``head`` is held (done or not)."""
+        with self._lock:
+            return head in self._ahead
+
+    def prefetch(self, hashes: Sequence[bytes]) -> None:
+        """Ask the kernel to start reading the records of ``hashes`` (those the store
+        has, up to the first it lacks) into the page cache, so that a cold chain's disk
+        reads run ahead of `read_into`, page by page, as it checks and copies."""
+        if not self.enabled:
+            return
+        with self._lock:
+            spans: dict[int, list[tuple[int, int]]] = {}
+            for h in hashes:
+                entry = self.entries.get(h)
+                if entry is None:
+                    break
+                runs = spans.setdefault(entry.segment, [])
+                if runs and runs[-1][0] + runs[-1][1] == entry.offset:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + entry.record_bytes)
+                else:
+                    runs.append((entry.offset, entry.record_bytes))
+            fds = {seg: os.dup(self._fd(seg)) for seg in spans}
+        for seg, runs in spans.items():
+            try:
+                for offset, length in runs:
+                    os.posix_fadvise(fds[seg], offset, length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only advice
+            finally:
+                os.close(fds[seg])
+
+    def read_into(self, h: bytes, buffers: Sequence[np.ndarray]) -> bool:
+        """Read ``h``'s record straight into ``buffers`` (writable uint8 arrays laid end to
+        end as its payload: a pool page's own memory, `PagedKVStorage.page_buffers`), with
+        one ``preadv``, and check it as `read_chain` does. True when the page is whole and
+        intact; False when the store lacks it or it was damaged (then dropped), and the
+        buffers hold garbage the caller must not use."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            entry = self.entries.get(h)
+            if entry is None:
+                return False
+            seg, offset = entry.segment, entry.offset
+            fd = os.dup(self._fd(seg))
+        head = bytearray(_REC_HEADER.size)
+        views = [memoryview(head), *(memoryview(b) for b in buffers)]
+        got = 0
+        try:
+            for i in range(0, len(views), _IOV_MAX):
+                part = views[i : i + _IOV_MAX]
+                n = os.preadv(fd, part, offset + got)
+                got += n
+                if n < sum(v.nbytes for v in part):
+                    break  # the file ends inside the record
+        except OSError:
+            got = 0
+        finally:
+            os.close(fd)
+        ok = got == entry.record_bytes and _payload_ok(entry, head, buffers)
+        return self._settle(entry, seg, offset, ok)
+
+    def _settle(self, entry: DiskEntry, seg: int, offset: int, ok: bool) -> bool:
         """Count a record read at (``seg``, ``offset``), or drop it when it was damaged
         there and still lies there; False when the run ends at it."""
         with self._lock:
@@ -677,7 +755,7 @@ class DiskTier:
                 entry.segment,
                 entry.offset,
             ) == (seg, offset)
-            if payload is None:
+            if not ok:
                 if still_there:
                     log.warning(
                         "disk cache: page %s is damaged: dropped, it will be recomputed",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -245,7 +245,7 @@ class PageTable:
         if disk is not None and ctx:
             disk.refresh()  # a reader sees what another process wrote since
         disk_chain = disk is not None  # off after the first page the disk cannot give
-        from_disk: dict[bytes, memoryview] | None = None  # read at the first page it has
+        from_disk: Callable[[PageRecord, bytes], bool] | None = None  # set at its first page
         for i, h in enumerate(ctx):
             rec = self.referenced.get(h) or self.unreferenced.get(h)
             if rec is not None:
@@ -263,8 +263,8 @@ class PageTable:
                     self.events.append(CacheEvent(CacheEventKind.RESTORED, rec.index, h, parent))
                 elif disk_chain:
                     if from_disk is None:
-                        from_disk = self._read_from_disk(ctx[i:], alloc)
-                    disk_chain = self._restore_from_disk(rec, from_disk.pop(h, None), alloc)
+                        from_disk = self._disk_reader(ctx[i:], alloc)
+                    disk_chain = from_disk(rec, h)
             self._add_ref(rec, job_id)
             alloc.block_table.append(rec.index)
             parent = h
@@ -426,6 +426,35 @@ class PageTable:
         those after it that no faster tier holds."""
         return hashes[:1] + [h for h in hashes[1:] if not self._in_faster_tier(h)]
 
+    def _disk_reader(
+        self, hashes: list[bytes], alloc: Allocation
+    ) -> Callable[[PageRecord, bytes], bool]:
+        """How the rest of a chain, from ``hashes[0]`` (its first page no faster tier
+        holds), comes back from disk: ``restore(rec, h)`` fills the freshly keyed ``rec``
+        with page ``h`` and says whether the disk gave it. A chain read ahead is taken from
+        the reader thread's buffers; otherwise each record is read straight into its pool
+        page (no buffer to allocate and fault in, no second copy), the kernel reading the
+        rest of the chain ahead meanwhile."""
+        assert self.disk_tier is not None and self.storage is not None
+        storage, disk = self.storage, self.disk_tier
+        if disk.has_read_ahead(hashes[0]) or not storage.addressable:
+            payloads = self._read_from_disk(hashes, alloc)
+            return lambda rec, h: self._restore_from_disk(rec, payloads.pop(h, None), alloc)
+        disk.prefetch(self._disk_wanted(hashes))
+
+        def restore(rec: PageRecord, h: bytes) -> bool:
+            start = time.perf_counter()
+            buffers = storage.page_buffers(rec.index)
+            ok = disk.read_into(h, buffers)
+            alloc.disk_seconds += time.perf_counter() - start
+            if ok:
+                rec.fill = self.page_size
+                self._count_disk_restore(alloc, rec, sum(b.nbytes for b in buffers))
+                self._sync(rec)
+            return ok
+
+        return restore
+
     def _read_from_disk(self, hashes: list[bytes], alloc: Allocation) -> dict[bytes, memoryview]:
         """The disk tier's pages for the rest of a chain, ``hashes[0]`` (just keyed, empty)
         and those after it no faster tier holds, in one batched read up to the first page
@@ -485,11 +514,14 @@ class PageTable:
         assert self.storage is not None
         start = time.perf_counter()
         self.storage.write_page(rec.index, payload)
-        alloc.disk_pages += 1
-        alloc.disk_bytes += len(payload)
         alloc.disk_seconds += time.perf_counter() - start
+        self._count_disk_restore(alloc, rec, len(payload))
+
+    def _count_disk_restore(self, alloc: Allocation, rec: PageRecord, nbytes: int) -> None:
+        alloc.disk_pages += 1
+        alloc.disk_bytes += nbytes
         self.counters.disk_restores += 1
-        self.counters.disk_restored_bytes += len(payload)
+        self.counters.disk_restored_bytes += nbytes
         self.events.append(
             CacheEvent(CacheEventKind.DISK_RESTORED, rec.index, rec.hash, rec.parent_hash)
         )

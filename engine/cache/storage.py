@@ -11,6 +11,7 @@ codes and every per-group fp16 parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -236,6 +237,32 @@ class PagedKVStorage:
             t[page, :n].contiguous().cpu().view(torch.uint8).numpy().tobytes()
             for t in self._all_tensors()
         )
+
+    @functools.cached_property
+    def _host_pages(self) -> list[np.ndarray] | None:
+        """Each tensor as a uint8 array ``[num_pages, its bytes per page]`` over the same
+        memory (the tensors are made once, in ``__init__``); None unless every page is
+        plain contiguous host memory."""
+        tensors = self._all_tensors()
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return None
+        return [t.view(torch.uint8).numpy().reshape(self.num_pages, -1) for t in tensors]
+
+    @property
+    def addressable(self) -> bool:
+        """Whether every page is plain contiguous host memory (`page_buffers`); not so
+        for a GPU pool, where `write_page` copies instead."""
+        return self._host_pages is not None
+
+    def page_buffers(self, page: int) -> list[np.ndarray]:
+        """A page's own memory as writable uint8 arrays, in `read_page`'s order: what the
+        disk tier reads a record into, with no copy. Only for an `addressable` pool."""
+        self._check(page)
+        arrays = self._host_pages
+        if arrays is None:
+            raise ValueError("this pool's pages are not host memory")
+        self._await_copies((page,))
+        return [a[page] for a in arrays]
 
     def write_page(self, page: int, data: bytes | memoryview) -> None:
         """Fill a whole page from bytes laid out as `read_page` returns them (the disk

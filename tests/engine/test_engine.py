@@ -401,3 +401,39 @@ def test_idle_snapshots_follow_the_disk_tier_writes(smollm2_int4, tmp_path, monk
         assert len(snap.cache.disk_records.hash_prefix) == written
         done = [e for e in eng.telemetry.events() if e["kind"] == "job_done"]
         assert done[-1]["disk_pages"] == 0 and "disk_bytes" in done[-1]
+
+
+def test_the_engine_warms_its_kernels_up_on_a_scratch_cache(tiny, monkeypatch):
+    """Starting an engine runs one token through the model (a process's first forward
+    loads its kernels) on a one-page cache of the engine's K/V format, not on the
+    engine's own cache, which starts empty."""
+    from engine.model.transformer import Transformer
+
+    seen = []
+    real = Transformer.forward
+
+    def forward(self, tokens, batch, cache):
+        seen.append((tokens.tolist(), cache))
+        return real(self, tokens, batch, cache)
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    engine = Engine(tiny, CacheSettings(page_size=16, token_budget=1024, v_bits=4))
+    ((tokens, scratch),) = seen
+    assert tokens == [0] and scratch is not engine.cache
+    assert scratch.num_pages == 1 and scratch.page_size == 16
+    assert scratch.storage.bytes_per_page == engine.cache.storage.bytes_per_page  # its format
+    assert engine.warm_up_error == ""
+    stats = engine.cache.pages.stats()
+    assert stats.pages_cached == 0 and engine.cache.pages.counters.prefix_query_tokens == 0
+
+
+def test_a_warm_up_that_fails_leaves_the_engine_serving(tiny, monkeypatch):
+    import engine.model.runner as runner
+
+    def broken(*args):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(runner, "warm_up", broken)
+    with _tiny_engine(tiny) as engine:
+        assert engine.warm_up_error == "RuntimeError: no kernel for you"
+        assert engine.submit(_ids_request(1, max_new_tokens=3)).wait(60).new_tokens == 3

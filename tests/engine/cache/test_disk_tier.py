@@ -68,6 +68,68 @@ def test_pages_come_back_after_a_restart(tmp_path):
     again.validate()
 
 
+def test_a_chain_is_read_straight_into_its_pool_pages(tmp_path, monkeypatch):
+    """With no read ahead, each record goes from the file into its page's own memory: no
+    buffered chain read, no copy into the page afterwards."""
+    first = _table(tmp_path)
+    _conversation(first, SEQ)
+    first.disk_tier.close()
+    again = _table(tmp_path)
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a page was copied in, not read in place")
+
+    monkeypatch.setattr(DiskTier, "_read_chain", no_copy)
+    monkeypatch.setattr(PagedKVStorage, "write_page", no_copy)
+    job = again.allocate(1, SEQ, 0)
+    assert job.disk_pages == 5 and job.cached_tokens == 5 * PS
+    assert job.disk_bytes == 5 * again.storage.bytes_per_page
+    assert_prefix_content(again, job, SEQ)
+    again.validate()
+
+
+@pytest.mark.parametrize("damage", ["last buffer", "torn"])
+def test_a_record_read_in_several_calls_is_checked_whole(tmp_path, monkeypatch, damage):
+    """A page of more buffers than one preadv takes is read in several calls, and the
+    checksum covers every buffer: damage in the last one, or a file that ends inside the
+    record, still drops the page."""
+    monkeypatch.setattr(disk_tier, "_IOV_MAX", 2)  # header + 4 tensors: three calls
+    first = _table(tmp_path)
+    _conversation(first, SEQ)
+    first.disk_tier.close()
+    segment = _segments(tmp_path)[0]
+    record = _record_offset(3) - _record_offset(2)
+    if damage == "last buffer":
+        _damage(segment, _record_offset(3) - 3)  # inside record 2's last tensor
+    else:
+        os.truncate(segment, _record_offset(3) - 3)
+    again = _table(tmp_path)
+    assert len(again.storage.page_tensors()) + 1 > 2 * disk_tier._IOV_MAX
+    job = again.allocate(1, SEQ, 0)
+    assert job.disk_pages == 2 and job.disk_bytes == 2 * (record - disk_tier._REC_HEADER.size)
+    assert_prefix_content(again, job, SEQ)
+    fill(again, job, SEQ, len(SEQ) - 1)
+    assert_prefix_content(again, job, SEQ)
+    again.release(job)
+    again.validate()
+
+
+def test_a_pool_that_is_not_host_memory_is_filled_by_copies(tmp_path, monkeypatch):
+    """A GPU pool's pages cannot be read into: the chain is read into buffers, then
+    copied into the pages, with the same checks."""
+    first = _table(tmp_path)
+    _conversation(first, SEQ)
+    first.disk_tier.close()
+    _damage(_segments(tmp_path)[0], _record_offset(4) + disk_tier._REC_HEADER.size + 8)
+    again = _table(tmp_path)
+    monkeypatch.setattr(PagedKVStorage, "addressable", property(lambda self: False))
+    copies = again.storage.page_copies
+    job = again.allocate(1, SEQ, 0)
+    assert job.disk_pages == 4 and again.storage.page_copies == copies + 4
+    assert_prefix_content(again, job, SEQ)
+    assert again.disk_tier.stats().dropped == 1
+
+
 def test_without_an_index_the_segments_are_scanned(tmp_path):
     first = _table(tmp_path)
     _conversation(first, SEQ)
