@@ -375,7 +375,7 @@ class EngineBridge(QObject):
         cache_settings = cache_settings or self.cache_settings
         generator_settings = generator_settings or self.generator_settings
         generator_settings.validate(cache_settings.page_size)
-        self.load_progress.emit(0.97, "allocating the KV cache")
+        self.load_progress.emit(0.97, "allocating the KV cache")  # and the warm-up
         engine = Engine(loaded, cache_settings, generator_settings)
         if self._stop_old_engine():
             # The old cache has written its pages and let go of the disk store's writer

@@ -32,7 +32,7 @@ ETA_AFTER_FRACTION = 0.05
 _LAYER = re.compile(r"layer (\d+)/(\d+)")
 STEPS = {
     "tokenizer": "reading the tokenizer",
-    "allocating the KV cache": "allocating the KV cache",
+    "allocating the KV cache": "allocating the KV cache and loading the kernels",
     "bf16 copies for batched decode": "making bf16 copies for batches",
     "ready": "starting the engine",
 }
