@@ -279,6 +279,7 @@ HAS_NUMBA = numba is not None
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 if HAS_NUMBA:
+    from kernels.quant.fastexp import exp_parts
     from kernels.quant.simd import prefetch
 
     _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
@@ -290,23 +291,14 @@ if HAS_NUMBA:
 
     @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
     def _exp_into(x, out, bits, n):
-        """``out[i] = exp(x[i])`` for ``i < n`` and ``x[i] <= 0`` (scores less their
-        maximum), within 3e-7 relative: ``2^k * p(r)``, ``r = x - k ln 2`` (ln 2 in two
-        parts, ``|r| <= ln 2 / 2``), ``p`` the Taylor polynomial to ``r^6 / 6!``, in
-        arithmetic only so that the loop is vectorised (numba's ``np.exp`` calls libm per
-        element: at 3,000 tokens a layer's 96,000 took a fifth of the kernel's time).
-        Below -87 it gives ``exp(-87)`` (1.6e-38) where the true value is smaller still."""
+        """``out[i] = exp(x[i])`` for ``i < n`` (scores less their maximum, so ``<= 0``),
+        within 3e-7 relative, as vectorised arithmetic (kernels/quant/fastexp.py: numba's
+        ``np.exp`` calls libm per element, and at 3,000 tokens a layer's 96,000 took a
+        fifth of the kernel's time)."""
         for i in range(n):
-            v = max(x[i], np.float32(-87.0))
-            k = np.rint(v * np.float32(1.4426950408889634))
-            r = v - k * np.float32(0.693145751953125) - k * np.float32(1.428606765330187e-06)
-            p = np.float32(0.0013888889) * r + np.float32(0.008333334)
-            p = p * r + np.float32(0.041666668)
-            p = p * r + np.float32(0.16666667)
-            p = p * r + np.float32(0.5)
-            p = p * r + np.float32(1.0)
-            out[i] = p * r + np.float32(1.0)
-            bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+            p, e = exp_parts(x[i])
+            out[i] = p
+            bits[i] = e
         two_k = bits.view(np.float32)
         for i in range(n):
             out[i] *= two_k[i]

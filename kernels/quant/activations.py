@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 from kernels.quant.blocks import INLINE, JIT
+from kernels.quant.fastexp import exp_parts
 from kernels.quant.simd import quantize32, quantize256
 
 ACT_BLOCK = 32
@@ -134,7 +135,8 @@ def _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
             bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
             # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
             at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
-            q_k4[row, 32 * at : 32 * at + 32] = q[row, 32 * s : 32 * s + 32]
+            for i in range(32):  # a loop, not slices: each slice made two array views
+                q_k4[row, 32 * at + i] = q[row, 32 * s + i]
     if levels == 2:
         for s in range(k // 16):
             pair16[b, s] = 256 * bsum16[b, s] + bsum16[batch + b, s]
@@ -438,15 +440,26 @@ def _prepare_row(x, b, op, w, eps, residual, out):
         inv = np.float32(1.0 / np.sqrt(total / k + eps))
         for i in range(k):
             out[b, i] = x[b, i] * inv * w[i]
-    elif op == SILU_GATE:
-        for i in range(k):
-            g = x[b, i]
-            out[b, i] = g / (np.float32(1.0) + np.exp(-g)) * x[b, k + i]
     else:
+        # act(g) = g / (1 + exp(-t)): t = g for SiLU; for tanh-GELU, 0.5 g (1 + tanh(z))
+        # is that with t = 2z. exp as vectorised arithmetic (kernels/quant/fastexp.py),
+        # its 2^k parts through an int32 row.
+        bits = np.empty(k, np.int32)
+        if op == SILU_GATE:
+            for i in range(k):
+                p, e = exp_parts(-x[b, i])
+                out[b, i] = p
+                bits[i] = e
+        else:
+            for i in range(k):
+                g = x[b, i]
+                z = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+                p, e = exp_parts(np.float32(-2.0) * z)
+                out[b, i] = p
+                bits[i] = e
+        two_k = bits.view(np.float32)
         for i in range(k):
-            g = x[b, i]
-            inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
-            out[b, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * x[b, k + i]
+            out[b, i] = x[b, i] / (np.float32(1.0) + out[b, i] * two_k[i]) * x[b, k + i]
 
 
 # Each row prepared, then quantized: the rows are independent, so one after the other
