@@ -138,12 +138,16 @@ def run_llama_bench(
     repack: bool | None = None,
     extra_args: Sequence[str] = (),
     timeout: float | None = 3600,
+    depth: int = 0,
 ) -> LlamaBenchReport:
-    """``llama-bench -m MODEL -t N -p n_prompt -n n_gen -r repetitions -o json``
-    (plus ``--repack 0`` when repacking is off)."""
+    """``llama-bench -m MODEL -t N -p n_prompt -n n_gen -r repetitions -o json`` (plus
+    ``--repack 0`` when repacking is off, and ``-d depth``: each test runs after that
+    many tokens already in the context, where llama-bench otherwise starts empty)."""
     tool = find_tools(folder, (BENCH,))[BENCH]
     cmd = [str(tool), "-m", str(model), "-t", str(threads), "-p", str(n_prompt)]
     cmd += ["-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    if depth:
+        cmd += ["-d", str(depth)]
 
     def command(repack: bool) -> list[str]:
         return [*cmd, *([] if repack else ["--repack", "0"]), *extra_args]

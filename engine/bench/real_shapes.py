@@ -14,7 +14,8 @@ its peak RSS is its own. Figures, one JSON object each:
 * ``first_token_s``: a 32-token prompt to its first token, right after loading (the
   kernels read from numba's cache on first use, as in a user's second start: a child
   before the measured one compiles what the model needs, once per machine and version);
-* ``prefill_tok_s`` (512 tokens), ``decode_tok_s`` (batch 1), ``s_tg`` at B=4 and B=16
+* ``prefill_tok_s`` (512 tokens), ``decode_tok_s`` (batch 1, 32 tokens after the prompt:
+  llama.cpp's with ``llama-bench -d 512``, the same context), ``s_tg`` at B=4 and B=16
   (llama-batched-bench's PP/TG/B table, different prompts);
 * ``decode_gb_s``: the weight bytes one decode token reads (every matrix but the
   embedding table, which is only looked up) times tokens per second, beside ``bound_gb_s``,
@@ -39,6 +40,7 @@ from engine.model.weight_modes import DEFAULT_WEIGHT_MODE
 from engine.units import peak_rss_bytes
 
 PROMPT_TOKENS = 512
+DECODE_TOKENS = 32  # decoded after the prompt, both engines
 FIRST_TOKEN_PROMPT = 32
 
 
@@ -96,8 +98,8 @@ def _folio_figures(
         return prefill_then_decode(loaded, cache, prompt, decode, graphs)
 
     first_token_s, _ = run(FIRST_TOKEN_PROMPT, 0)
-    prefill_s, decode_s = run(prompt_tokens, 32)
-    prefill_s2, decode_s2 = run(prompt_tokens, 32)
+    prefill_s, decode_s = run(prompt_tokens, DECODE_TOKENS)
+    prefill_s2, decode_s2 = run(prompt_tokens, DECODE_TOKENS)
     # the model and its 4,096-token cache, through prefill and decode (the S_TG cases
     # below build caches of their own)
     peak_rss = peak_rss_bytes()
@@ -119,7 +121,7 @@ def _folio_figures(
         "weight_bytes": loaded.weight_bytes,
         "first_token_s": round(first_token_s, 3),
         "prefill_tok_s": round(prompt_tokens / min(prefill_s, prefill_s2), 1),
-        "decode_tok_s": round(32 / min(decode_s, decode_s2), 2),
+        "decode_tok_s": round(DECODE_TOKENS / min(decode_s, decode_s2), 2),
         "s_tg": s_tg,
         "peak_rss_bytes": peak_rss,
         "rss_loaded_bytes": rss_loaded,
@@ -157,21 +159,30 @@ def _in_child(fn, *args):
 
 
 def _llama_cpp_figures(
-    folder: Path, path: Path, threads: int, tg: int, batches: tuple[int, ...]
+    folder: Path, path: Path, threads: int, tg: int, batches: tuple[int, ...], prompt: int
 ) -> dict:
+    """llama.cpp's figures for the same file: prefill of ``prompt`` tokens, and decode of
+    32 tokens after ``prompt`` tokens (``-d``), as Folio's decode is measured after its
+    prompt: llama-bench's decode test otherwise starts on an empty context, where each
+    token's attention reads nothing."""
     from engine.bench.llama_cpp import run_batched_bench, run_llama_bench
 
     t = time.perf_counter()
-    report = run_llama_bench(folder, path, threads, n_prompt=PROMPT_TOKENS, n_gen=32, repetitions=2)
+    pp = run_llama_bench(folder, path, threads, n_prompt=prompt, n_gen=0, repetitions=2)
+    tg_report = run_llama_bench(
+        folder, path, threads, n_prompt=0, n_gen=DECODE_TOKENS, repetitions=2, depth=prompt
+    )
     batched = run_batched_bench(folder, path, threads, npp=128, ntg=tg, npl=batches)
     rows = batched.by_batch()
+    peaks = [r.peak_rss_bytes for r in (pp, tg_report) if r.peak_rss_bytes is not None]
     return {
         "engine": "llama.cpp",
-        "model_type": report.model_type,
-        "prefill_tok_s": round(report.prompt.avg, 1) if report.prompt else None,
-        "decode_tok_s": round(report.decode.avg, 2) if report.decode else None,
+        "model_type": pp.model_type,
+        "prefill_tok_s": round(pp.prompt.avg, 1) if pp.prompt else None,
+        "decode_tok_s": round(tg_report.decode.avg, 2) if tg_report.decode else None,
+        "decode_depth": prompt,
         "s_tg": {str(b): round(rows[b].s_tg, 2) for b in batches if b in rows},
-        "peak_rss_bytes": report.peak_rss_bytes,
+        "peak_rss_bytes": max(peaks) if peaks else None,
         "wall_s": round(time.perf_counter() - t, 1),
     }
 
@@ -209,7 +220,7 @@ def run_shape_bench(args: Namespace) -> None:
     _emit({**base, **folio})
     if not args.llama_cpp:
         return
-    llama = _llama_cpp_figures(Path(args.llama_cpp), path, threads, args.tg, batches)
+    llama = _llama_cpp_figures(Path(args.llama_cpp), path, threads, args.tg, batches, prompt)
     if llama["decode_tok_s"]:
         llama["decode_gb_s"] = round(per_token * llama["decode_tok_s"] / 1e9, 2)
     _emit({**base, **llama})

@@ -361,3 +361,36 @@ def test_cli_offers_every_shape_and_quant_the_maker_knows():
     options = {a.dest: a for a in forward._actions}
     assert set(options["shape"].choices) == set(shapes.SHAPES)
     assert set(options["quant"].choices) == set(shapes.QUANTS)
+
+
+FAKE_DEPTH_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+def arg(flag, default):
+    return int(args[args.index(flag) + 1]) if flag in args else default
+p, n, d = arg("-p", 512), arg("-n", 128), arg("-d", 0)
+tests = []
+for n_prompt, n_gen in ((p, 0), (0, n)):
+    if n_prompt or n_gen:
+        rate = 1000.0 - d if n_prompt else 50.0 - d / 64  # slower deeper in the context
+        tests.append({{"n_prompt": n_prompt, "n_gen": n_gen, "n_depth": d, "avg_ts": rate,
+            "stddev_ts": 0.0, "samples_ts": [rate], "model_filename": "m.gguf",
+            "model_type": "llama ?B Q4_K - Medium", "model_size": 1, "model_n_params": 1,
+            "n_threads": 2, "build_commit": "x", "build_number": 1, "repack": True}})
+print(json.dumps(tests))
+"""
+
+
+def test_llama_cpp_decodes_after_as_many_tokens_as_folio_did(tmp_path):
+    """llama-bench's decode test starts on an empty context unless told `-d`; Folio's
+    decode follows its prompt, so llama.cpp's must follow as many tokens."""
+    from engine.bench.real_shapes import _llama_cpp_figures
+
+    _fake_tool(tmp_path, "llama-bench", FAKE_DEPTH_BENCH.format(python=sys.executable))
+    script = FAKE_BATCHED_BENCH.format(python=sys.executable, log=str(tmp_path / "calls"))
+    _fake_tool(tmp_path, "llama-batched-bench", script)
+    report = llama_cpp.run_llama_bench(tmp_path, "m.gguf", 2, n_prompt=0, n_gen=8, depth=256)
+    assert report.prompt is None and report.decode.avg == 50.0 - 256 / 64
+    got = _llama_cpp_figures(tmp_path, Path("m.gguf"), 2, 4, (1, 2), prompt=512)
+    assert got["prefill_tok_s"] == 1000.0  # the prompt itself from an empty context
+    assert got["decode_tok_s"] == 50.0 - 512 / 64 and got["decode_depth"] == 512
