@@ -399,3 +399,43 @@ def test_the_disk_tier_keeps_what_the_host_tier_cannot(model_path, tmp_path):
     with_disk = _hits_returning_to_the_first_chat(model_path, tmp_path / "kv")
     assert without[0] < 2 * PS and without[1] == 0  # at most the host tier's one page
     assert with_disk == (2 * PS, 2)  # both pages, read back from disk
+
+
+def test_a_quantized_cache_is_restored_byte_for_byte(model_path, tmp_path):
+    """K at 4 bits and V at 8 (codes, scales and zeros in their own tensors): each page is
+    read back into every one of its tensors, the same bytes the prefill stored, and the
+    next turn's logits equal a fresh prefill's in that format."""
+    from engine.model.calibration import calibration_for
+
+    loaded = load_model(model_path, load_tokenizer=False)
+    disk = tmp_path / "kv"
+
+    def cache(disk_dir: Path | None) -> KVCache:
+        settings = CacheSettings(
+            page_size=PS,
+            token_budget=4096,
+            k_bits=4,
+            v_bits=8,
+            disk_dir=str(disk_dir) if disk_dir is not None else None,
+        )
+        return KVCache.for_model(loaded, settings, calibration_for(loaded, settings))
+
+    earlier = conversation(6 * PS + 1)
+    first = cache(disk)
+    runner = SequenceRunner(loaded, first, earlier)
+    runner.step()
+    written = [first.storage.read_page(p) for p in runner.alloc.block_table[:6]]
+    runner.release()
+    first.close()
+
+    again = cache(disk)
+    assert len(again.storage.page_tensors()) > 2 * loaded.config.num_layers  # codes + params
+    tokens = earlier + conversation(40, seed=1)
+    runner = SequenceRunner(loaded, again, tokens)
+    assert runner.alloc.disk_pages == 6
+    assert [again.storage.read_page(p) for p in runner.alloc.block_table[:6]] == written
+    restored = runner.step()
+    runner.release()
+    fresh, fresh_cached, _ = _next_logits(loaded, cache(None), tokens)
+    assert fresh_cached == 0
+    assert _relative_error(restored, fresh) < 1e-4
