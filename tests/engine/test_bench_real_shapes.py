@@ -47,6 +47,7 @@ def test_shape_bench_prints_figures_of_the_run(tmp_path, smollm2_path):
     assert folio["decode_gb_s"] == pytest.approx(per_token * folio["decode_tok_s"] / 1e9, abs=0.01)
     assert 0 < folio["weight_bytes"] <= 1.05 * path.stat().st_size
     assert folio["prefill_tok_s"] > 0 and folio["s_tg"]["2"] > 0
+    assert folio["warm_up_s"] > 0 and folio["first_token_s"] > 0
     assert folio["peak_rss_bytes"] > folio["weight_bytes"]
     # where the peak went: the file's pages, the cache's, and the rest
     assert 0 < folio["rss_loaded_bytes"] <= folio["peak_rss_bytes"]
