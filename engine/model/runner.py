@@ -73,16 +73,22 @@ class SequenceRunner:
         self.cache.pages.release(self.alloc)
 
 
+WARM_UP_PAGE = 16  # the smallest page CacheSettings allows
+
+
 def warm_up(
     loaded: LoadedModel, settings: CacheSettings, calibration: KeyCalibration | None = None
 ) -> None:
     """Run one token through the model on a scratch one-page cache of ``settings``' K/V
     format (no tiers): a process's first forward loads numba's typing context and every
     kernel the model's weight and K/V types use, about 0.25 s on a 2-core machine, which
-    the engine pays while it starts rather than in the first reply."""
+    the engine pays while it starts rather than in the first reply. Its page holds
+    WARM_UP_PAGE tokens whatever ``settings`` say (the kernels do not depend on it; a
+    1,024-token page of a 7B model's fp32 K/V would be 117 MB)."""
     scratch = dataclasses.replace(
         settings,
-        token_budget=settings.page_size,
+        page_size=WARM_UP_PAGE,
+        token_budget=WARM_UP_PAGE,
         byte_budget=None,
         host_bytes=0,
         disk_dir=None,

@@ -417,11 +417,12 @@ def test_the_engine_warms_its_kernels_up_on_a_scratch_cache(tiny, monkeypatch):
         return real(self, tokens, batch, cache)
 
     monkeypatch.setattr(Transformer, "forward", forward)
-    engine = Engine(tiny, CacheSettings(page_size=16, token_budget=1024, v_bits=4))
+    engine = Engine(tiny, CacheSettings(page_size=64, token_budget=1024, v_bits=4))
     ((tokens, scratch),) = seen
     assert tokens == [0] and scratch is not engine.cache
-    assert scratch.num_pages == 1 and scratch.page_size == 16
-    assert scratch.storage.bytes_per_page == engine.cache.storage.bytes_per_page  # its format
+    assert scratch.num_pages == 1 and scratch.page_size == 16  # small, whatever the engine's
+    # the engine's K/V format: a quarter of the engine's 64-token page
+    assert 4 * scratch.storage.bytes_per_page == engine.cache.storage.bytes_per_page
     assert engine.warm_up_error == ""
     stats = engine.cache.pages.stats()
     assert stats.pages_cached == 0 and engine.cache.pages.counters.prefix_query_tokens == 0
