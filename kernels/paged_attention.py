@@ -279,7 +279,7 @@ HAS_NUMBA = numba is not None
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 if HAS_NUMBA:
-    from kernels.quant.fastexp import exp_parts
+    from kernels.quant.fastexp import exp_into
     from kernels.quant.simd import prefetch
 
     _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
@@ -288,20 +288,6 @@ if HAS_NUMBA:
     # page every few slots, where the hardware's stream prefetch stops (Llama-3.2-1B
     # shapes, 3,000 tokens, 16 layers' pages cold, 2 threads: 0.95 -> 0.79 ms a layer)
     _SLOTS_AHEAD = 8
-
-    @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-    def _exp_into(x, out, bits, n):
-        """``out[i] = exp(x[i])`` for ``i < n`` (scores less their maximum, so ``<= 0``),
-        within 3e-7 relative, as vectorised arithmetic (kernels/quant/fastexp.py: numba's
-        ``np.exp`` calls libm per element, and at 3,000 tokens a layer's 96,000 took a
-        fifth of the kernel's time)."""
-        for i in range(n):
-            p, e = exp_parts(x[i])
-            out[i] = p
-            bits[i] = e
-        two_k = bits.view(np.float32)
-        for i in range(n):
-            out[i] *= two_k[i]
 
     @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
     def _load_row(data, codes, scales, zeros, asym, half_table, bits, page, slot, head, row):
@@ -420,7 +406,9 @@ if HAS_NUMBA:
                         acc[j, d] *= alpha
                     for slot in range(first, last):
                         shifted[slot] = scores[j, slot] - new_best
-                    _exp_into(shifted[first:], scores[j, first:], bits, last - first)
+                    # exp as vectorised arithmetic (kernels/quant/fastexp.py): numba's
+                    # np.exp calls libm per element, a fifth of the kernel at 3,000 tokens
+                    exp_into(shifted[first:], scores[j, first:], bits, last - first)
                     for slot in range(first, last):
                         total[j] += scores[j, slot]
                     best[j] = new_best

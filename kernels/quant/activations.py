@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from kernels.quant.blocks import INLINE, JIT
-from kernels.quant.fastexp import exp_parts
+from kernels.quant.fastexp import exp_into
 from kernels.quant.simd import quantize32, quantize256
 
 ACT_BLOCK = 32
@@ -443,23 +443,18 @@ def _prepare_row(x, b, op, w, eps, residual, out):
     else:
         # act(g) = g / (1 + exp(-t)): t = g for SiLU; for tanh-GELU, 0.5 g (1 + tanh(z))
         # is that with t = 2z. exp as vectorised arithmetic (kernels/quant/fastexp.py),
-        # its 2^k parts through an int32 row.
-        bits = np.empty(k, np.int32)
+        # over -t written into the output row first.
         if op == SILU_GATE:
             for i in range(k):
-                p, e = exp_parts(-x[b, i])
-                out[b, i] = p
-                bits[i] = e
+                out[b, i] = -x[b, i]
         else:
             for i in range(k):
                 g = x[b, i]
                 z = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
-                p, e = exp_parts(np.float32(-2.0) * z)
-                out[b, i] = p
-                bits[i] = e
-        two_k = bits.view(np.float32)
+                out[b, i] = np.float32(-2.0) * z
+        exp_into(out[b], out[b], np.empty(k, np.int32), k)
         for i in range(k):
-            out[b, i] = x[b, i] / (np.float32(1.0) + out[b, i] * two_k[i]) * x[b, k + i]
+            out[b, i] = x[b, i] / (np.float32(1.0) + out[b, i]) * x[b, k + i]
 
 
 # Each row prepared, then quantized: the rows are independent, so one after the other

@@ -7,7 +7,8 @@ layer: 33 us of a 35 us call) and a fifth of paged attention's time at 3,000 tok
 `exp_parts` splits ``exp(v) = p * 2^k``: ``k = rint(v / ln 2)``, ``r = v - k ln 2`` (ln 2
 in two parts, so ``r`` is exact to float32; ``|r| <= ln 2 / 2``) and ``p`` the Taylor
 polynomial of ``exp(r)`` to ``r^6 / 6!``; ``2^k`` is returned as the bits of a float32,
-which a loop writes to an int32 array and multiplies in through a float32 view of it.
+which `exp_into`'s first loop writes to an int32 array and its second multiplies in
+through a float32 view of it.
 Relative error within 3e-7 over ``[-87, 88]``; ``v`` is clamped to that range, where
 ``exp`` is a normal float32 (below, the true value is smaller still than the 1.6e-38
 given; above, it is infinite).
@@ -36,3 +37,17 @@ def exp_parts(v):
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
     return p, (np.int32(k) + np.int32(127)) << np.int32(23)
+
+
+@numba.njit(**INLINE)
+def exp_into(x, out, bits, n):
+    """``out[i] = exp(x[i])`` for ``i < n`` (``out`` may be ``x``), ``bits`` an int32
+    scratch array of at least ``n``: `exp_parts` in one loop, ``2^k`` multiplied in the
+    next, both vectorised."""
+    for i in range(n):
+        p, e = exp_parts(x[i])
+        out[i] = p
+        bits[i] = e
+    two_k = bits.view(np.float32)
+    for i in range(n):
+        out[i] *= two_k[i]

@@ -373,11 +373,11 @@ def test_numba_decode_exp_is_within_a_few_ulps():
     import numba
     import numpy as np
 
-    from kernels.paged_attention import _exp_into
+    from kernels.quant.fastexp import exp_into
 
     @numba.njit
     def run(x, out, bits):
-        _exp_into(x, out, bits, x.shape[0])
+        exp_into(x, out, bits, x.shape[0])
 
     x = np.concatenate(
         [np.linspace(-87.0, 0.0, 200_001), -np.logspace(-8, 0, 1001), [0.0, -0.5, -1e-30]]
