@@ -6,11 +6,12 @@ Three processes run the same prompt of ``--tokens`` tokens, each loading the mod
 at shutdown), the second with the store's files in the page cache (warm), the third after
 the store's files are dropped from it (cold: ``POSIX_FADV_DONTNEED`` on each of its files
 after an fsync, which drops their clean pages and nothing else: the model file stays
-cached, as it would be for a user who restarts the app). Time to first token is the job's queue time plus its prefill time
-(submission to the first sampled token: the disk read happens at admission, inside the
-queue time); the engine's start (its cache allocated, its kernels loaded by a one-token
-warm-up, `engine.model.runner.warm_up`) comes before the submission and is reported
-apart (``engine_start_s``), as is the model's load (``load_s``). Restore rate: the pages' bytes over the seconds spent reading, checking and
+cached, as it would be for a user who restarts the app). Time to first token is the
+job's queue time plus its prefill time (submission to the first sampled token: the disk
+read happens at admission, inside the queue time); the engine's start (its cache
+allocated, its kernels loaded by a one-token warm-up, `engine.model.runner.warm_up`) comes
+before the submission and is reported apart (``engine_start_s``), as is the model's load
+(``load_s``). Restore rate: the pages' bytes over the seconds spent reading, checking and
 copying them into the pool (``JobResult.disk_seconds``).
 """
 

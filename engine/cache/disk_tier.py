@@ -250,7 +250,9 @@ def encode_record(h: bytes, parent: bytes | None, payload: bytes) -> bytes:
     return head + _CRC.pack(zlib.crc32(head)) + payload
 
 
-def _decode_header(raw: bytes) -> tuple[bytes, bytes | None, int, int] | None:
+def _decode_header(
+    raw: bytes | bytearray | memoryview,
+) -> tuple[bytes, bytes | None, int, int] | None:
     """(hash, parent, payload length, payload crc) of a record header, None if it is bad."""
     if len(raw) < _REC_HEADER.size:
         return None
@@ -262,23 +264,17 @@ def _decode_header(raw: bytes) -> tuple[bytes, bytes | None, int, int] | None:
 
 def _checked(entry: DiskEntry, raw: memoryview) -> memoryview | None:
     """``raw``'s payload when it is ``entry``'s record, whole and intact; else None."""
-    head = _decode_header(raw[: _REC_HEADER.size])
     payload = raw[_REC_HEADER.size :]
-    if (
-        head is None
-        or head[0] != entry.hash
-        or head[2] != entry.length
-        or len(payload) != entry.length
-        or zlib.crc32(payload) != head[3]
-    ):
-        return None
-    return payload
+    return payload if _payload_ok(entry, raw[: _REC_HEADER.size], [payload]) else None
 
 
-def _payload_ok(entry: DiskEntry, head: bytes | bytearray, buffers: Sequence[np.ndarray]) -> bool:
+def _payload_ok(
+    entry: DiskEntry, head: bytes | bytearray | memoryview, buffers: Sequence[memoryview]
+) -> bool:
     """Whether a record read as its header ``head`` and its payload in ``buffers`` (end to
-    end) is ``entry``'s, whole and intact (the checks of `_checked`)."""
-    decoded = _decode_header(bytes(head))
+    end: one view of a read buffer, or views of a pool page's arrays) is ``entry``'s,
+    whole and intact: header CRC, hash, length, payload CRC."""
+    decoded = _decode_header(head)
     if decoded is None or decoded[0] != entry.hash or decoded[2] != entry.length:
         return False
     if sum(b.nbytes for b in buffers) != entry.length:
@@ -744,7 +740,7 @@ class DiskTier:
             got = 0
         finally:
             os.close(fd)
-        ok = got == entry.record_bytes and _payload_ok(entry, head, buffers)
+        ok = got == entry.record_bytes and _payload_ok(entry, head, views[1:])
         return self._settle(entry, seg, offset, ok)
 
     def _settle(self, entry: DiskEntry, seg: int, offset: int, ok: bool) -> bool:

@@ -441,15 +441,15 @@ class PageTable:
             payloads = self._read_from_disk(hashes, alloc)
             return lambda rec, h: self._restore_from_disk(rec, payloads.pop(h, None), alloc)
         disk.prefetch(self._disk_wanted(hashes))
+        page_bytes = storage.bytes_per_page
 
         def restore(rec: PageRecord, h: bytes) -> bool:
             start = time.perf_counter()
-            buffers = storage.page_buffers(rec.index)
-            ok = disk.read_into(h, buffers)
+            ok = disk.read_into(h, storage.page_buffers(rec.index))
             alloc.disk_seconds += time.perf_counter() - start
             if ok:
                 rec.fill = self.page_size
-                self._count_disk_restore(alloc, rec, sum(b.nbytes for b in buffers))
+                self._count_disk_restore(alloc, rec, page_bytes)
                 self._sync(rec)
             return ok
 
