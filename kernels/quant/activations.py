@@ -92,7 +92,7 @@ class Q8KActivations:
             raise ValueError("int16 activations need two levels")
         if self.wide is None:
             b = self.q.shape[0] // 2
-            self.wide = np.empty((b, self.q.shape[1]), np.int16)
+            self.wide = padded_rows(b, self.q.shape[1], np.int16)
             _by_rows(b, _widen, _widen_parallel)(self.q_k4, self.wide)
         return self.wide
 
@@ -198,6 +198,17 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
     return act
 
 
+def padded_rows(n: int, k: int, dtype) -> np.ndarray:
+    """An uninitialised ``[n, k]`` array whose rows lie one super-block (256 elements)
+    further apart than ``k``. A kernel reads a super-block of every token in turn
+    (:func:`~kernels.quant.superblock.kblock_dot`); with rows a multiple of 4 KiB apart
+    (K = 2048, 8192 and any multiple of 4096 / itemsize), all those reads fall in the same
+    few L1 sets and miss each other out: the Q4_K kernel at 32 tokens, 2048 x 8192, one
+    thread, 25 cycles per two rows, token and super-block against 8 for the same
+    instructions on rows apart (this machine's ``vpdpwssd`` issues two a cycle)."""
+    return np.empty((n, k + SUPER_BLOCK), dtype)[:, :k]
+
+
 def _super_block_buffers(b: int, k: int, levels: int) -> Q8KActivations:
     if k % SUPER_BLOCK:
         raise ValueError(f"activations must be [B, K] with K a multiple of 256, got {(b, k)}")
@@ -205,11 +216,11 @@ def _super_block_buffers(b: int, k: int, levels: int) -> Q8KActivations:
         raise ValueError(f"levels must be 1 or 2, got {levels}")
     n = levels * b
     act = Q8KActivations(
-        np.empty((n, k), np.int8),
+        padded_rows(n, k, np.int8),
         np.empty((n, k // SUPER_BLOCK), np.float32),
         np.empty((n, k // 16), np.int32),
         np.empty((n, k // 32), np.int32),
-        np.empty((n, k), np.int8),
+        padded_rows(n, k, np.int8),
     )
     if levels == 2:
         act.pair16 = np.empty((b, k // 16), np.int32)

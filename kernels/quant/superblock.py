@@ -242,8 +242,12 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 # registers, so that each activation vector is loaded once for two rows: at 16 tokens of
 # two levels, 2048 x 2048 on one thread, Q4_K 0.94-1.13 ms against 1.24-1.43 for one row
 # at a time, Q6_K 0.95-1.34 against 1.34-1.47 (the loads of activations bound the dot
-# products there: packing the sums to 16 bits to save a multiply in four gained nothing)
-ROW_GROUP = 4
+# products there: packing the sums to 16 bits to save a multiply in four gained nothing).
+# Eight rows (four pairs) read each super-block of the tokens' activations from L1 three
+# times in four (two rows pairs: once in two, the other from L2): 32 tokens of two levels,
+# 2048 x 8192, one thread, rows of activations apart (activations.padded_rows), Q4_K
+# 4.49-4.74 ms against 5.41-5.59, Q6_K 6.50-7.35 against 6.79-7.50
+ROW_GROUP = 8
 # Up to here kblock_rows runs kblock_pass (unrolled passes, accumulators in registers)
 FEW_TOKENS = 4
 _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code

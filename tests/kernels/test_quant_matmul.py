@@ -450,6 +450,43 @@ def test_wide_q4_k_kernel_gives_the_two_level_bits(tokens):
         kind.decode_parts(table, raw.shape[1], WIDE, act.wide_q4_k()[:4], d, bsum, wide[:4], 1)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("tokens", [3, 9, 33])
+def test_super_block_kernels_read_padded_activation_rows(qtype, tokens):
+    """Activations in super-blocks lie in rows a super-block longer than K (so that a
+    kernel reading one super-block of every token does not hit the same L1 sets each
+    time), and the kernels go by the rows' stride: the same bits as from contiguous
+    copies, for a row count that fills several row groups and leaves a remainder."""
+    from kernels.quant.activations import padded_rows, quantize_super_blocks
+    from kernels.quant.matmul import parts_kernel_args
+    from kernels.quant.superblock import ROW_GROUP
+
+    rows = 3 * ROW_GROUP + 3
+    kind = quant_type(qtype)
+    raw, _ = _weight(qtype, rows, 2048, seed=31)
+    table = np.array([[raw.ctypes.data, rows]], np.int64)
+    x = np.random.default_rng(32).standard_normal((tokens, 2048)).astype(np.float32)
+    act = quantize_super_blocks(x, levels=2)
+    assert act.q.strides[0] == 2048 + 256 and act.q_k4.strides[0] == 2048 + 256
+    levels, codes, d, bsum = parts_kernel_args(kind, act, tokens)
+    assert codes.strides[0] % 4096 != 0
+    padded = np.empty((tokens, rows), np.float32)
+    contiguous = np.empty((tokens, rows), np.float32)
+    kind.decode_parts(table, raw.shape[1], levels, codes, d, bsum, padded, decode_tasks())
+    kind.decode_parts(
+        table, raw.shape[1], levels, np.ascontiguousarray(codes), d, bsum, contiguous, 1
+    )
+    assert np.array_equal(padded, contiguous)
+    # the gguf dequantizer's weights times the activations the kernel multiplied (both
+    # levels)
+    weights = reference_dequantize(raw, qtype, (rows, 2048)).astype(np.float64)
+    levels_xs = act.dequantize().astype(np.float64)
+    reference = (levels_xs[:tokens] + levels_xs[tokens:]) @ weights.T
+    assert np.allclose(padded, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+    block = padded_rows(5, 512, np.int16)
+    assert block.shape == (5, 512) and block.strides == (2 * (512 + 256), 2)
+
+
 def test_integer_fp16_fallback_is_exact():
     """CPUs without F16C decode the block scales in integer code: every half exactly."""
     import numba
