@@ -61,7 +61,7 @@ class Q8KActivations:
     # kernel sums a token's two levels in one float step: superblock.kblock_dot, paired)
     pair16: np.ndarray | None = None
     pair32: np.ndarray | None = None
-    wide: np.ndarray | None = None  # :meth:`wide_q4_k`, made on first use
+    wide: dict = field(default_factory=dict, repr=False)  # :meth:`widened`, by order
     # the float activations these came from, when made by prepared_activations
     source: np.ndarray | None = field(default=None, repr=False)
 
@@ -82,19 +82,25 @@ class Q8KActivations:
             return codes, self.d, self.pair16 if sub_block == 16 else self.pair32
         return codes, self.d, self.bsum16 if sub_block == 16 else self.bsum32
 
-    def wide_q4_k(self) -> np.ndarray:
+    def widened(self, order: str) -> np.ndarray:
         """int16 ``[B, K]`` of a two-level ``[2B, K]``: each token's two levels as one
-        integer, ``256 * q_0 + q_1`` (within +-32,639), in Q4_K's order, each 64 as the
-        elements ``4j, 4j + 1`` then ``4j + 2, 4j + 3`` (``j < 16``): what
+        integer, ``256 * q_0 + q_1`` (within +-32,640), in ``order`` (``"q4_k"`` or
+        ``"natural"``, as :meth:`kernel_args`), each 64 as the elements ``4j, 4j + 1``
+        then ``4j + 2, 4j + 3`` (``j < 16``): what
         :func:`~kernels.quant.superblock.kblock_rows` multiplies at ``levels``
-        :data:`~kernels.quant.superblock.WIDE`."""
+        :data:`~kernels.quant.superblock.WIDE`. Made once per order."""
         if self.pair16 is None:
             raise ValueError("int16 activations need two levels")
-        if self.wide is None:
+        if order not in self.wide:
             b = self.q.shape[0] // 2
-            self.wide = padded_rows(b, self.q.shape[1], np.int16)
-            _by_rows(b, _widen, _widen_parallel)(self.q_k4, self.wide)
-        return self.wide
+            wide = padded_rows(b, self.q.shape[1], np.int16)
+            _by_rows(b, _widen, _widen_parallel)(self.q_k4 if order == "q4_k" else self.q, wide)
+            self.wide[order] = wide
+        return self.wide[order]
+
+    def wide_q4_k(self) -> np.ndarray:
+        """:meth:`widened` in Q4_K's order."""
+        return self.widened("q4_k")
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
@@ -160,7 +166,8 @@ def _quantize_k_parallel(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
 
 @numba.njit(**INLINE)
 def _widen_row(q_k4, b, wide):
-    """Row ``b`` of :meth:`Q8KActivations.wide_q4_k` from the two levels' Q4_K-order codes."""
+    """Row ``b`` of :meth:`Q8KActivations.widened` from the two levels' codes (``q_k4``:
+    those of the order asked for)."""
     batch = wide.shape[0]
     for c in range(wide.shape[1] // 64):
         for half in range(2):

@@ -112,7 +112,7 @@ def parts_kernel_args(
     ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
     q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
     if wide_pairs(kind.name, tokens):
-        return WIDE, ka.wide_q4_k(), d, bsum
+        return WIDE, ka.widened(kind.activation_order), d, bsum
     return 2, q, d, bsum
 
 

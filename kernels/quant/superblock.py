@@ -19,10 +19,13 @@ each token's activation vectors loaded once for both (:data:`ROW_GROUP`). A proj
 two levels of int8 (:func:`~kernels.quant.activations.
 quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
 ``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
-Above :data:`FEW_TOKENS` tokens on AVX-512 VNNI, Q4_K takes that integer directly
-(:func:`wide_pairs`): the two levels as one int16 per element, the codes times their
-scales as int16 once per row, one ``vpdpwssd`` per 32 elements and token where the two
-int8 levels take four instructions per 64, and the same value rounded once.
+Above :data:`FEW_TOKENS` tokens on AVX-512 VNNI, Q4_K and Q6_K take that integer
+directly (:func:`wide_pairs`): the two levels as one int16 per element, the codes times
+their scales as int16 once per row, one ``vpdpwssd`` per 32 elements and token where the
+two int8 levels take four instructions per 64, and the same value rounded once. Q6_K's
+codes carry a zero point (32), taken off inside the integer products on every path
+(``vpmaddubsw`` of 32 and the activations subtracted from the pair sums, or the codes
+less 32 as int16), so its blocks have no offsets to sum apart.
 Every instruction set reaches the same integers, so every path gives the same bits, and
 each activation row's arithmetic is the same whatever the number of rows (batch
 invariance).
@@ -117,16 +120,22 @@ def _pair_scales(builder, sc16, w_lanes: list[int]):
     return _pick(builder, sc16, [w_lanes[j // 2] for j in range(32)])
 
 
-def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc):
+def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc, zero: int = 0):
     """``acc`` (``<16 x i32>`` or None) plus lanes ``j`` = (sum of the 4 products of
-    elements 4j..4j+3) times ``lane_scales[j]``, exact. The x86 paths fold the scales into
-    the pair step: ``vpmaddubsw`` (u8 x i8 -> i16 pair sums; codes <= 63 and |x| <= 127
-    never saturate) then ``vpmaddwd`` by ``pair_scales`` (AVX2), or ``vpdpwssd``
-    accumulating straight into ``acc`` (VNNI): two instructions per 64 bytes, where a
-    ``vpdpbusd`` then a multiply of its lanes and an add took three. The generic path
-    multiplies the dot product's lanes."""
+    elements 4j..4j+3, each code less ``zero``) times ``lane_scales[j]``, exact. The x86
+    paths fold the scales into the pair step: ``vpmaddubsw`` (u8 x i8 -> i16 pair sums;
+    codes <= 63 and |x| <= 127 never saturate; with a zero point, less ``vpmaddubsw`` of
+    ``zero`` and the same activations: |pair| <= 2 * 32 * 127) then ``vpmaddwd`` by
+    ``pair_scales`` (AVX2), or ``vpdpwssd`` accumulating straight into ``acc`` (VNNI): two
+    instructions per 64 bytes, where a ``vpdpbusd`` then a multiply of its lanes and an
+    add took three. The generic path multiplies the dot product's lanes."""
     if isa == "generic":
-        part = builder.mul(_dot4(builder, isa, codes, x, 64, False), lane_scales)
+        if zero:  # codes - zero fit in i8 (Q6_K: -32..31); |x| <= 127, so no sign overflow
+            signed = builder.sub(codes, ir.Constant(codes.type, [zero] * codes.type.count))
+            dots = _dot4(builder, isa, signed, x, 64, True)
+        else:
+            dots = _dot4(builder, isa, codes, x, 64, False)
+        part = builder.mul(dots, lane_scales)
         return part if acc is None else builder.add(acc, part)
     v16i = _vec(I32, 16)
     if acc is None:
@@ -135,7 +144,11 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc):
         v64, v32s = _vec(I8, 64), _vec(I16, 32)
         maddubs = _fn(builder, "llvm.x86.avx512.pmaddubs.w.512", v32s, [v64, v64])
         dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
-        pairs = builder.bitcast(builder.call(maddubs, [codes, x]), v16i)
+        pairs = builder.call(maddubs, [codes, x])
+        if zero:
+            shift = builder.call(maddubs, [ir.Constant(v64, [zero] * 64), x])
+            pairs = builder.sub(pairs, shift)
+        pairs = builder.bitcast(pairs, v16i)
         return builder.call(dpwssd, [acc, pairs, builder.bitcast(pair_scales, v16i)])
     v32, v16s, v8i = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [v32, v32])
@@ -146,7 +159,10 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc):
     halves = []
     for h in range(2):
         lo = list(range(32 * h, 32 * h + 32))
-        pairs = builder.call(maddubs, [_pick(builder, codes, lo), _pick(builder, x, lo)])
+        x_h = _pick(builder, x, lo)
+        pairs = builder.call(maddubs, [_pick(builder, codes, lo), x_h])
+        if zero:
+            pairs = builder.sub(pairs, builder.call(maddubs, [ir.Constant(v32, [zero] * 32), x_h]))
         scale = _pick(builder, pair_scales, list(range(16 * h, 16 * h + 16)))
         acc_h = _pick(builder, acc, list(range(8 * h, 8 * h + 8)))
         if isa == "avxvnni":
@@ -209,8 +225,9 @@ def _q6_k(builder, base):
     """One Q6_K super-block: ``ql[128] qh[64] scales[16] d[2]``; element
     ``e = 128h + 64t + l`` has low bits ``(ql[64h + l] >> 4t) & 15``, element
     ``e = 128h + 32t + l`` high bits ``(qh[32h + l] >> 2t) & 3``; code = low | high << 4
-    (0..63), weight ``d * scales[e // 16] * (code - 32)`` (the -32 goes with the
-    activation sums: offsets ``scales`` with the float factor ``-32 * d``)."""
+    (0..63), weight ``d * scales[e // 16] * (code - 32)``: the codes' zero point 32
+    (:data:`KBLOCK_KINDS`) is taken off in the integer products, so the block has no
+    offsets (its ``mins`` and their factor are None)."""
     d = _half(builder, builder.add(base, I64(208)))
     sc = builder.sext(_load(builder, builder.add(base, I64(192)), _vec(I8, 16)), _vec(I32, 16))
 
@@ -230,13 +247,12 @@ def _q6_k(builder, base):
             chunks.append(
                 (builder.or_(low, high), (e0, e0 + 32), [e0 // 16 + j // 4 for j in range(16)])
             )
-    # the offsets' factor -32 * d (exact: a power of two), so that their integer sums stay
-    # small enough for paired levels (sc * 257 * the sums of 16 codes fits in int32)
-    return d, builder.fmul(d, F32(-32.0)), sc, sc, chunks
+    return d, None, sc, None, chunks
 
 
-# kind code -> (GGUF type name, bytes per super-block, the body, sub-blocks per block)
-KBLOCK_KINDS = {0: ("Q4_K", 144, _q4_k, 8), 1: ("Q6_K", 210, _q6_k, 16)}
+# kind code -> (GGUF type name, bytes per super-block, the body, sub-blocks per block,
+# the codes' zero point: Q4_K has offsets per sub-block instead, summed apart)
+KBLOCK_KINDS = {0: ("Q4_K", 144, _q4_k, 8, 0), 1: ("Q6_K", 210, _q6_k, 16, 32)}
 KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 # Weight rows one kernel call walks block by block together, two at a time unpacked in
 # registers, so that each activation vector is loaded once for two rows: at 16 tokens of
@@ -256,10 +272,11 @@ _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by
 # ``levels`` of kblock_dot for two levels as one int16 per element
 # (:meth:`~kernels.quant.activations.Q8KActivations.wide_q4_k`), where WIDE_PATHS has it
 WIDE = 3
-# (instruction set, kind): Q4_K's codes times their scales stay under 2^10, so 16
-# products of int16 activations per lane and block stay within int32 (Q6_K's reach 2^12,
-# and its zero point is folded into the offsets as unsigned codes: not wide)
-WIDE_PATHS = {("avx512vnni", "Q4_K")}
+# (instruction set, kind): the codes (less their zero point) times their scales as int16,
+# by int16 activations (|256 q_0 + q_1| <= 32,640), 16 products per lane and block:
+# Q4_K's reach 15 * 63 < 2^10, Q6_K's 32 * 128 = 2^12, so |a lane| <= 16 * 4,096 *
+# 32,640 = 2,139,095,040 < 2^31: exact in int32
+WIDE_PATHS = {("avx512vnni", "Q4_K"), ("avx512vnni", "Q6_K")}
 
 
 def wide_pairs(kind_name: str, tokens: int) -> bool:
@@ -270,14 +287,18 @@ def wide_pairs(kind_name: str, tokens: int) -> bool:
     return tokens > FEW_TOKENS and (HOST_ISA, kind_name) in WIDE_PATHS
 
 
-def _wide_codes(builder, codes, pair_scales):
-    """A chunk's 64 codes (u8, < 16) times their sub-block scales as two ``<32 x i16>``:
-    elements 4j, 4j + 1 then 4j + 2, 4j + 3 at positions 2j, 2j + 1, so that lane j of
-    ``vpdpwssd`` sums elements 4j..4j+3, the lane :func:`_scaled_lanes` gives them."""
+def _wide_codes(builder, codes, pair_scales, zero: int):
+    """A chunk's 64 codes (u8) less their zero point, times their sub-block scales, as
+    two ``<32 x i16>``: elements 4j, 4j + 1 then 4j + 2, 4j + 3 at positions 2j, 2j + 1,
+    so that lane j of ``vpdpwssd`` sums elements 4j..4j+3, the lane :func:`_scaled_lanes`
+    gives them."""
     out = []
     for h in range(2):
         picked = _pick(builder, codes, [4 * (i // 2) + 2 * h + i % 2 for i in range(32)])
-        out.append(builder.mul(builder.zext(picked, _vec(I16, 32)), pair_scales))
+        wide = builder.zext(picked, _vec(I16, 32))
+        if zero:
+            wide = builder.sub(wide, ir.Constant(_vec(I16, 32), [zero] * 32))
+        out.append(builder.mul(wide, pair_scales))
     return out
 
 
@@ -333,7 +354,7 @@ def kblock_dot(
     if any(v is None for v in lit):
         return None
     isa_name, kind_v, n_levels = ISAS[lit[0]], lit[1], lit[2]
-    _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
+    _, block_bytes, body, n_sub, zero = KBLOCK_KINDS[kind_v]
     wide_ok = n_levels != WIDE or (isa_name, KBLOCK_KINDS[kind_v][0]) in WIDE_PATHS
     u, i = types.uintp, types.intp
     sig = types.void(u, i, i, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
@@ -369,7 +390,7 @@ def kblock_dot(
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
             codes = [c for c, _, _ in chunks]
             if n_levels == WIDE:  # the codes times their scales, as i16, once per block
-                codes = [_wide_codes(builder, c, pr) for c, pr in zip(codes, pairs)]
+                codes = [_wide_codes(builder, c, pr, zero) for c, pr in zip(codes, pairs)]
             return d, dm, mins, codes, lanes, pairs
 
         # the elements of each chunk (the same for every block: read off the IR of one,
@@ -383,7 +404,9 @@ def kblock_dot(
             _, _, _, codes, lanes, pairs = unpacked
             isum = None
             for c, xv in enumerate(xs):
-                isum = _scaled_lanes(builder, isa_name, codes[c], xv, lanes[c], pairs[c], isum)
+                isum = _scaled_lanes(
+                    builder, isa_name, codes[c], xv, lanes[c], pairs[c], isum, zero
+                )
             return builder.sitofp(isum, v16)
 
         def rows_step(blk, ws):
@@ -413,10 +436,11 @@ def kblock_dot(
                     xs.append(activations(builder.add(xb, x_lvl)))
                     xd_j = builder.add(xd_j, xd_lvl)  # the second level's scale: the first's / 256
                 xd_v = _load(builder, xd_j, F32, 4)
-                bs_j = builder.add(
-                    builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
-                )
-                bsum = _load(builder, bs_j, _vec(I32, n_sub), 4)
+                if not zero:  # the offsets' sums (a zero point leaves none)
+                    bs_j = builder.add(
+                        builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
+                    )
+                    bsum = _load(builder, bs_j, _vec(I32, n_sub), 4)
                 for w, unpacked in zip(ws, rows):
                     d, dm, mins = unpacked[:3]
                     if n_levels == WIDE:
@@ -430,11 +454,13 @@ def kblock_dot(
                         )
                     else:
                         total = isum_of(unpacked, xs[0])
-                    imin = builder.mul(mins, bsum)
                     f = _splat(builder, builder.fmul(d, xd_v), 16)
-                    fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
                     a, a_o = accs(builder.add(builder.mul(w, tokens_v), j))
                     builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
+                    if zero:
+                        continue
+                    imin = builder.mul(mins, bsum)
+                    fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
                     builder.store(
                         _fma(builder, builder.sitofp(imin, vo), fm, builder.load(a_o, align=4)),
                         a_o,
@@ -453,10 +479,9 @@ def kblock_dot(
         with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
             wj = loop.index
             a, a_o = accs(wj)
-            total = builder.fadd(
-                _tree_sum(builder, builder.load(a, align=4)),
-                _tree_sum(builder, builder.load(a_o, align=4)),
-            )
+            total = _tree_sum(builder, builder.load(a, align=4))
+            if not zero:
+                total = builder.fadd(total, _tree_sum(builder, builder.load(a_o, align=4)))
             w, j = builder.udiv(wj, tokens_v), builder.urem(wj, tokens_v)
             dst = builder.add(builder.add(out_a, builder.mul(j, out_tok)), builder.mul(w, I64(4)))
             builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
@@ -503,7 +528,7 @@ def kblock_pass(
     if any(v is None for v in lit) or (lit[3] and lit[0] == 1):
         return None
     n_rows, isa_name, kind_v, pair = lit[0], ISAS[lit[1]], lit[2], bool(lit[3])
-    _, block_bytes, body, n_sub = KBLOCK_KINDS[kind_v]
+    _, block_bytes, body, n_sub, zero = KBLOCK_KINDS[kind_v]
     u, i = types.uintp, types.intp
     sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, rows, isa, kind, paired)
     n_out = n_rows // 2 if pair else n_rows
@@ -543,7 +568,9 @@ def kblock_pass(
                 isum = None
                 for c, (codes, span, _) in enumerate(chunks):
                     xv = _chunk_activations(builder, xb, span)
-                    isum = _scaled_lanes(builder, isa_name, codes, xv, lanes[c], pairs[c], isum)
+                    isum = _scaled_lanes(
+                        builder, isa_name, codes, xv, lanes[c], pairs[c], isum, zero
+                    )
                 return builder.sitofp(isum, v16)
 
             for j in range(n_out):
@@ -558,6 +585,10 @@ def kblock_pass(
                 else:
                     total, scale_row = isum_of(j), j
                 xd_v = _load(builder, builder.add(xdr[scale_row], builder.mul(blk, I64(4))), F32, 4)
+                f = _splat(builder, builder.fmul(d, xd_v), 16)
+                builder.store(_fma(builder, total, f, builder.load(acc[j])), acc[j])
+                if zero:  # no offsets
+                    continue
                 bsum = _load(
                     builder,
                     builder.add(bsr[j], builder.mul(blk, I64(4 * n_sub))),
@@ -565,16 +596,14 @@ def kblock_pass(
                     4,
                 )
                 imin = builder.mul(mins, bsum)
-                f = _splat(builder, builder.fmul(d, xd_v), 16)
                 fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
-                builder.store(_fma(builder, total, f, builder.load(acc[j])), acc[j])
                 builder.store(
                     _fma(builder, builder.sitofp(imin, vo), fm, builder.load(acc_o[j])), acc_o[j]
                 )
         for j in range(n_out):
-            total = builder.fadd(
-                _tree_sum(builder, builder.load(acc[j])), _tree_sum(builder, builder.load(acc_o[j]))
-            )
+            total = _tree_sum(builder, builder.load(acc[j]))
+            if not zero:
+                total = builder.fadd(total, _tree_sum(builder, builder.load(acc_o[j])))
             dst = builder.inttoptr(builder.add(out_a, I64(4 * j)), ir.PointerType(F32))
             builder.store(total, dst, align=4)
         return context.get_dummy_value()

@@ -386,8 +386,9 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
     assert not re.search(absent, asm)
 
 
-def test_wide_q4_k_codegen():
-    """Two levels as int16 (Q4_K on AVX-512 VNNI): one vpdpwssd per 32 elements and
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_wide_codegen(kind):
+    """Two levels as int16 (Q4_K, Q6_K on AVX-512 VNNI): one vpdpwssd per 32 elements and
     token, no vpmaddubsw (the codes are multiplied by their scales once, as i16)."""
     import re
 
@@ -396,7 +397,7 @@ def test_wide_q4_k_codegen():
     from kernels.quant.superblock import KBLOCK_CODES, WIDE, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 16 + [lit(ISA_CODES["avx512vnni"]), lit(KBLOCK_CODES["Q4_K"]), lit(WIDE)]
+    argtypes = [u] * 16 + [lit(ISA_CODES["avx512vnni"]), lit(KBLOCK_CODES[kind]), lit(WIDE)]
     asm = _asm_for(kblock_dot, argtypes, "znver4")
     assert re.search(r"vpdpwssd\s[^\n]*%zmm", asm) and re.search(r"vpmullw\s[^\n]*%zmm", asm)
     assert not re.search("vpmaddubsw|vpdpbusd", asm)
@@ -425,29 +426,40 @@ def test_wide_activations_pair_the_two_levels(rows):
         quantize_super_blocks(x).wide_q4_k()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
 @pytest.mark.parametrize("tokens", [5, 9, 33])
-def test_wide_q4_k_kernel_gives_the_two_level_bits(tokens):
+def test_wide_kernel_gives_the_two_level_bits(qtype, tokens):
     """The int16 path sums 256 x isum_0 + isum_1 in integers and rounds once: the same
-    bits as the paired two-level path (which rounds the same value once, in an fma)."""
+    bits as the paired two-level path (which rounds the same value once, in an fma).
+    Q6_K's scales at both ends of int8 and its codes at both ends of their range reach
+    the int32 bound of a lane (16 x 4,096 x 32,640) and must not wrap."""
     from kernels.quant.activations import quantize_super_blocks
     from kernels.quant.superblock import WIDE, wide_pairs
 
-    if not wide_pairs("Q4_K", tokens):
+    if not wide_pairs(qtype.name, tokens):
         pytest.skip("this CPU has no AVX-512 VNNI: the int16 path is not used here")
-    kind = quant_type(Q.Q4_K)
-    raw, _ = _weight(Q.Q4_K, 70, 1024, seed=21)
+    kind = quant_type(qtype)
+    raw, _ = _weight(qtype, 70, 1024, seed=21)
+    if qtype == Q.Q6_K:  # rows 0-9 at the extremes: codes 0 (-32) or 63, scales -128 / 127
+        blocks = raw[:10].reshape(10, -1, 210)
+        blocks[:5, :, :192] = 0  # every code 0, i.e. -32
+        blocks[5:, :, :192] = 0xFF  # every code 63
+        blocks[:5, :, 192:208] = np.array([-128] * 16, np.int8).view(np.uint8)
+        blocks[5:, :, 192:208] = np.array([127] * 16, np.int8).view(np.uint8)
     table = np.array([[raw.ctypes.data, 70]], np.int64)
     x = np.random.default_rng(22).standard_normal((tokens, 1024)).astype(np.float32) * 3
+    x[:2] = [[3.0], [-3.0]]  # every activation at its level's largest code, 256 * 127
     x[:, 5] = 80.0  # an outlier channel
     act = quantize_super_blocks(x, levels=2)
     q, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
     two = np.empty((tokens, 80), np.float32)[:, 5:75]  # into columns of a wider output
     wide = np.empty((tokens, 70), np.float32)
     kind.decode_parts(table, raw.shape[1], 2, q, d, bsum, two, decode_tasks())
-    kind.decode_parts(table, raw.shape[1], WIDE, act.wide_q4_k(), d, bsum, wide, decode_tasks())
+    x16 = act.widened(kind.activation_order)
+    kind.decode_parts(table, raw.shape[1], WIDE, x16, d, bsum, wide, decode_tasks())
     assert np.array_equal(two, wide)
     with pytest.raises(ValueError, match="FEW_TOKENS"):
-        kind.decode_parts(table, raw.shape[1], WIDE, act.wide_q4_k()[:4], d, bsum, wide[:4], 1)
+        kind.decode_parts(table, raw.shape[1], WIDE, x16[:4], d, bsum, wide[:4], 1)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
