@@ -260,7 +260,7 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 # at a time, Q6_K 0.95-1.34 against 1.34-1.47 (the loads of activations bound the dot
 # products there: packing the sums to 16 bits to save a multiply in four gained nothing).
 # Eight rows (four pairs) read each super-block of the tokens' activations from L1 three
-# times in four (two rows pairs: once in two, the other from L2): 32 tokens of two levels,
+# times in four (two row pairs: once in two, the other from L2): 32 tokens of two levels,
 # 2048 x 8192, one thread, rows of activations apart (activations.padded_rows), Q4_K
 # 4.49-4.74 ms against 5.41-5.59, Q6_K 6.50-7.35 against 6.79-7.50
 ROW_GROUP = 8
@@ -270,7 +270,7 @@ _N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by
 
 
 # ``levels`` of kblock_dot for two levels as one int16 per element
-# (:meth:`~kernels.quant.activations.Q8KActivations.wide_q4_k`), where WIDE_PATHS has it
+# (:meth:`~kernels.quant.activations.Q8KActivations.widened`), where WIDE_PATHS has it
 WIDE = 3
 # (instruction set, kind): the codes (less their zero point) times their scales as int16,
 # by int16 activations (|256 q_0 + q_1| <= 32,640), 16 products per lane and block:
