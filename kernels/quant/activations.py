@@ -98,10 +98,6 @@ class Q8KActivations:
             self.wide[order] = wide
         return self.wide[order]
 
-    def wide_q4_k(self) -> np.ndarray:
-        """:meth:`widened` in Q4_K's order."""
-        return self.widened("q4_k")
-
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
         b, k = self.q.shape
@@ -165,9 +161,9 @@ def _quantize_k_parallel(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
 
 
 @numba.njit(**INLINE)
-def _widen_row(q_k4, b, wide):
-    """Row ``b`` of :meth:`Q8KActivations.widened` from the two levels' codes (``q_k4``:
-    those of the order asked for)."""
+def _widen_row(codes, b, wide):
+    """Row ``b`` of :meth:`Q8KActivations.widened` from the two levels' ``codes`` (in the
+    order asked for)."""
     batch = wide.shape[0]
     for c in range(wide.shape[1] // 64):
         for half in range(2):
@@ -175,20 +171,20 @@ def _widen_row(q_k4, b, wide):
                 for e in range(2):
                     src = 64 * c + 4 * j + 2 * half + e
                     wide[b, 64 * c + 32 * half + 2 * j + e] = np.int16(256) * np.int16(
-                        q_k4[b, src]
-                    ) + np.int16(q_k4[batch + b, src])
+                        codes[b, src]
+                    ) + np.int16(codes[batch + b, src])
 
 
 @numba.njit(**JIT)
-def _widen(q_k4, wide):
+def _widen(codes, wide):
     for b in range(wide.shape[0]):
-        _widen_row(q_k4, b, wide)
+        _widen_row(codes, b, wide)
 
 
 @numba.njit(**PARALLEL)
-def _widen_parallel(q_k4, wide):
+def _widen_parallel(codes, wide):
     for b in numba.prange(wide.shape[0]):
-        _widen_row(q_k4, b, wide)
+        _widen_row(codes, b, wide)
 
 
 def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:

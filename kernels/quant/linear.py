@@ -11,9 +11,9 @@ batch): up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows, the integer de
 kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
 the k-quant super-block kernels), whose row ``b``
 depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the same kernel
-:data:`PROMPT_ROWS` rows at a time (so a prompt's rows equal
-what decoding them one by one gives), the other types float32 tiles dequantized into a
-reused buffer and torch's GEMM.
+:data:`PROMPT_ROWS` rows at a time (so a prompt's rows equal what decoding them one by
+one gives), the other types float32 tiles dequantized into a reused buffer and torch's
+GEMM.
 """
 
 from __future__ import annotations

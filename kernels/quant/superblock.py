@@ -266,7 +266,8 @@ KBLOCK_CODES = {name: code for code, (name, *_) in KBLOCK_KINDS.items()}
 ROW_GROUP = 8
 # Up to here kblock_rows runs kblock_pass (unrolled passes, accumulators in registers)
 FEW_TOKENS = 4
-_N_SUB = tuple(KBLOCK_KINDS[code][3] for code in range(len(KBLOCK_KINDS)))  # by kind code
+# by kind code: the lanes of a block's offsets (one per sub-block; none with a zero point)
+_N_OFFSETS = tuple(0 if zero else n_sub for _, _, _, n_sub, zero in KBLOCK_KINDS.values())
 
 
 # ``levels`` of kblock_dot for two levels as one int16 per element
@@ -329,8 +330,9 @@ def kblock_dot(
     (:class:`~kernels.quant.activations.Q8KActivations`): level ``l`` of its int8 at
     ``x + j * x_tok + l * x_lvl``, one float32 scale per 256 likewise from ``xd``
     (``xd_tok``, ``xd_lvl``), and the integer sums of its codes per sub-block (32 for
-    Q4_K, 16 for Q6_K; with two levels the paired sums) at ``bs + j * bs_tok``. ``acc``:
-    float32 scratch of ``n_w * tokens * (16 + sub-blocks)``. The ``n_w`` rows go block by
+    Q4_K; with two levels the paired sums) at ``bs + j * bs_tok`` (unread for Q6_K, whose
+    zero point leaves no offsets). ``acc``: float32 scratch of ``n_w * tokens * (16 +
+    offsets)``, ``offsets`` the kind's :data:`_N_OFFSETS`. The ``n_w`` rows go block by
     block together (:data:`ROW_GROUP`). ``isa``, ``kind`` and ``levels``
     (1 or 2) are compile-time; ``tokens`` is not.
 
@@ -367,19 +369,21 @@ def kblock_dot(
         x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[4:12]
         out_a, out_tok, tokens_v, acc_a = args[12:16]
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
-        acc_bytes = 4 * (16 + n_sub)
+        acc_bytes = 4 * (16 + _N_OFFSETS[kind_v])
 
         def accs(j):
+            """A row-token's accumulators: its 16 lanes, and its offsets' (None without)."""
             at = builder.add(acc_a, builder.mul(j, I64(acc_bytes)))
-            return (
-                builder.inttoptr(at, ir.PointerType(v16)),
-                builder.inttoptr(builder.add(at, I64(64)), ir.PointerType(vo)),
+            offsets = (
+                None if zero else builder.inttoptr(builder.add(at, I64(64)), ir.PointerType(vo))
             )
+            return builder.inttoptr(at, ir.PointerType(v16)), offsets
 
         with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
             a, a_o = accs(loop.index)
             builder.store(ir.Constant(v16, None), a, align=4)
-            builder.store(ir.Constant(vo, None), a_o, align=4)
+            if not zero:
+                builder.store(ir.Constant(vo, None), a_o, align=4)
 
         def unpack(blk, w):
             base = builder.add(
@@ -555,7 +559,7 @@ def kblock_pass(
         def zeros(t):
             return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(n_out)]
 
-        acc, acc_o = zeros(v16), zeros(vo)
+        acc, acc_o = zeros(v16), (None if zero else zeros(vo))
         with cgutils.for_range(builder, nblk_v) as loop:
             blk = loop.index
             base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
@@ -687,7 +691,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     per = (n_rows + tasks - 1) // tasks
     xq_at, xd_at, bs_at, out_at = xq.ctypes.data, xd.ctypes.data, bsum.ctypes.data, out.ctypes.data
     qs, ds, ss, os_ = xq.strides[0], xd.strides[0], bsum.strides[0], out.strides[0]
-    n_sub = _N_SUB[kind]
+    n_off = _N_OFFSETS[kind]
     steps = np.empty(6, np.int64)
     # row r of a pass at (r >> 1) * steps[0] + (r & 1) * steps[1] (int8; then scales, sums)
     for j, stride in enumerate((qs, ds, ss)):
@@ -697,7 +701,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
             steps[2 * j], steps[2 * j + 1] = 2 * stride, stride
     for t in numba.prange(tasks):
         dots = np.empty(4, np.float32)
-        acc = np.empty(ROW_GROUP * tokens * (16 + n_sub), np.float32)
+        acc = np.empty(ROW_GROUP * tokens * (16 + n_off), np.float32)
         acc_at = acc.ctypes.data
         first = t * per
         last = min(first + per, n_rows)

@@ -295,7 +295,9 @@ def test_many_rows_quantize_as_each_row_alone(per32, prepared, levels):
         for name in ("pair16", "pair32"):
             want = np.concatenate([getattr(a, name) for a in alone])
             assert np.array_equal(getattr(whole, name), want), name
-        assert np.array_equal(whole.wide_q4_k(), np.concatenate([a.wide_q4_k() for a in alone]))
+        assert np.array_equal(
+            whole.widened("q4_k"), np.concatenate([a.widened("q4_k") for a in alone])
+        )
 
 
 @pytest.mark.parametrize("per32", [True, False])

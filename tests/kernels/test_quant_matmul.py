@@ -405,7 +405,7 @@ def test_wide_codegen(kind):
 
 @pytest.mark.parametrize("rows", [3, 11])
 def test_wide_activations_pair_the_two_levels(rows):
-    """``wide_q4_k``: per token 256 x level 0 + level 1 in Q4_K's order, each 64 as the
+    """``widened("q4_k")``: per token 256 x level 0 + level 1 in Q4_K's order, each 64 as the
     elements 4j, 4j+1 (j < 16) then 4j+2, 4j+3 (made row by row, or, from PARALLEL_ROWS
     rows on, over numba's threads)."""
     from kernels.quant.activations import PARALLEL_ROWS, quantize_super_blocks
@@ -413,7 +413,7 @@ def test_wide_activations_pair_the_two_levels(rows):
     assert 3 < PARALLEL_ROWS <= 11
     x = np.random.default_rng(3).standard_normal((rows, 512)).astype(np.float32) * 5
     act = quantize_super_blocks(x, levels=2)
-    wide = act.wide_q4_k()
+    wide = act.widened("q4_k")
     assert wide.dtype == np.int16 and wide.shape == (rows, 512)
     both = 256 * act.q_k4[:rows].astype(np.int64) + act.q_k4[rows:]
     for t in range(rows):
@@ -421,9 +421,9 @@ def test_wide_activations_pair_the_two_levels(rows):
             chunk = both[t, 64 * c : 64 * c + 64]
             want = [chunk[4 * (i // 2) + 2 * h + i % 2] for h in range(2) for i in range(32)]
             assert np.array_equal(wide[t, 64 * c : 64 * c + 64], want)
-    assert act.wide_q4_k() is wide  # made once per activations
+    assert act.widened("q4_k") is wide  # made once per activations
     with pytest.raises(ValueError, match="two levels"):
-        quantize_super_blocks(x).wide_q4_k()
+        quantize_super_blocks(x).widened("q4_k")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
