@@ -12,6 +12,7 @@ from __future__ import annotations
 import numba
 
 from kernels.quant.blocks import INLINE, JIT, half, one_part
+from kernels.quant.lanes import lane_rows
 from kernels.quant.rows import decode_parts_rows, decode_rows, dequantize_rows
 from kernels.quant.simd import SCALE_KIND_CODES, bitfield, scale_lanes
 from kernels.quant.superblock import KBLOCK_CODES, kblock_rows
@@ -210,6 +211,11 @@ def decode_parts_q4_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
 
 
 @numba.njit(**PARALLEL)
+def prompt_parts_q4_k(parts, row_bytes, xw, xd, bx, out, tasks):
+    lane_rows(_KB_Q4_K, parts, row_bytes, xw, xd, bx, out, tasks)
+
+
+@numba.njit(**PARALLEL)
 def dequant_q4_k(w, first, out32, out16, tasks):
     dequantize_rows(unpack_q4_k, 32, False, w, first, out32, out16, tasks)
 
@@ -237,6 +243,11 @@ def decode_q6_k(w, xq, xs, xsum, out, tasks):
 @numba.njit(**PARALLEL)
 def decode_parts_q6_k(parts, row_bytes, levels, xq, xs, xsum, out, tasks):
     kblock_rows(_KB_Q6_K, parts, row_bytes, levels, xq, xs, xsum, out, tasks)
+
+
+@numba.njit(**PARALLEL)
+def prompt_parts_q6_k(parts, row_bytes, xw, xd, bx, out, tasks):
+    lane_rows(_KB_Q6_K, parts, row_bytes, xw, xd, bx, out, tasks)
 
 
 @numba.njit(**PARALLEL)

@@ -10,10 +10,12 @@ Which kernel runs depends on the number of rows only (never on what else is in t
 batch): up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows, the integer decode
 kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
 the k-quant super-block kernels), whose row ``b``
-depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the same kernel
-:data:`PROMPT_ROWS` rows at a time (so a prompt's rows equal what decoding them one by
-one gives), the other types float32 tiles dequantized into a reused buffer and torch's
-GEMM.
+depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the prompt kernel
+with weight rows in vector lanes (:mod:`kernels.quant.lanes`, AVX-512 VNNI;
+:data:`LANE_PROMPT_ROWS` rows a call, each row's result the same in any prompt), or
+where the CPU lacks it the decode kernel :data:`PROMPT_ROWS` rows at a time (so a
+prompt's rows equal what decoding them one by one gives); the other types float32 tiles
+dequantized into a reused buffer and torch's GEMM.
 """
 
 from __future__ import annotations
@@ -34,17 +36,23 @@ from kernels.quant.activations import (
     quantize_super_blocks,
     two_level_activations,
 )
+from kernels.quant.lanes import lanes_supported
 from kernels.quant.matmul import (
     DECODE_MAX_ROWS,
     decode_tasks,
     dequantize_weight,
     parts_kernel_args,
     prefill_matmul,
+    prompt_kernel_args,
 )
 from kernels.quant.registry import ActivationFormat
 from kernels.quant.weight import QuantWeight
 
-# A prompt's rows go through the super-block decode kernel this many a call (any count
+# A prompt's rows go through the prompt kernel in lanes (kernels/quant/lanes.py) this many
+# a call: its activations (int8 in two orders and int16, 5 bytes an element and token)
+# stay within 5 MB at K = 8192, and each tile's unpacked rows serve 16 tiles of tokens
+LANE_PROMPT_ROWS = 128
+# Where it has no such kernel, through the super-block decode kernel this many a call (any count
 # gives each row the bits of decoding it alone). The kernel keeps every row-token's
 # accumulators and a block of the tokens' activations in L1: at 16 tokens 20 KB with 8
 # rows a group, at 32 tokens 40 KB of a 48 KB L1. One thread, 2048 x 8192 Q4_K, in turns:
@@ -203,6 +211,17 @@ class BlockLinear(PartsLinear):
         # dequantized tile costs more than the integer dots it replaces; not so for the
         # per-32 types, whose decode kernels unpack into a buffer)
         chunked = [g for g in self._groups if _super_blocks(g)]
+        # where the CPU has it, the prompt kernel with weight rows in lanes (a row's
+        # result is the same in any chunk of any size: kernels/quant/lanes.py)
+        lanes = [g for g in chunked if _in_lanes(g)]
+        chunked = [g for g in chunked if not _in_lanes(g)]
+        for i in range(0, rows if lanes else 0, LANE_PROMPT_ROWS):
+            ka = quantize_super_blocks(x[i : i + LANE_PROMPT_ROWS].numpy(), levels=2)
+            for group in lanes:
+                kind = group.parts[0].kind
+                cols = out[i : i + LANE_PROMPT_ROWS, group.first : group.first + group.columns]
+                args = prompt_kernel_args(kind, ka)
+                kind.prompt_parts(group.table, group.row_bytes, *args, cols, decode_tasks())
         for i in range(0, rows if chunked else 0, PROMPT_ROWS):
             self._decode(
                 x[i : i + PROMPT_ROWS].numpy(), out=out[i : i + PROMPT_ROWS], groups=chunked
@@ -265,6 +284,12 @@ class _Group:
     columns: int
     row_bytes: int = 0
     table: np.ndarray | None = None
+
+
+def _in_lanes(group: _Group) -> bool:
+    """Whether the group's prompt rows take :func:`~kernels.quant.lanes.lane_rows`."""
+    kind = group.parts[0].kind if group.table is not None else None
+    return kind is not None and kind.prompt_parts is not None and lanes_supported(kind.name)
 
 
 def _super_blocks(group: _Group) -> bool:

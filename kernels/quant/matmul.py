@@ -31,10 +31,12 @@ from kernels.quant.activations import (
     Q8Activations,
     Q8KActivations,
     quantize_activations,
+    quantize_super_blocks,
     two_level_activations,
 )
+from kernels.quant.lanes import lanes_supported
 from kernels.quant.registry import ActivationFormat, QuantType
-from kernels.quant.superblock import FEW_TOKENS, WIDE, wide_pairs
+from kernels.quant.superblock import FEW_TOKENS, KBLOCK_CODES, KBLOCK_KINDS, WIDE, wide_pairs
 from kernels.quant.weight import QuantWeight
 
 __all__ = [
@@ -114,6 +116,23 @@ def parts_kernel_args(
     if wide_pairs(kind.name, tokens):
         return WIDE, ka.widened(kind.activation_order), d, bsum
     return 2, q, d, bsum
+
+
+def prompt_kernel_args(
+    kind: QuantType, ka: Q8KActivations
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(int16 activations, scales, scaled sums) of two-level super-block activations as
+    ``kind.prompt_parts`` reads them (:func:`~kernels.quant.lanes.lane_rows`): the tokens'
+    int16 codes in the kind's order, their second level's scale per 256, and for a kind
+    with offsets (Q4_K) their paired sums per 32 times that scale (float32, the paired sums
+    exact: |sum| < 2^24)."""
+    tokens = ka.q.shape[0] // 2
+    xd = ka.d[tokens:]
+    if not KBLOCK_KINDS[KBLOCK_CODES[kind.name]][4]:  # offsets per 32 (no zero point)
+        bx = ka.pair32.astype(np.float32) * np.repeat(xd, 8, axis=1)
+    else:  # a zero point (Q6_K): no offsets to sum
+        bx = np.zeros((tokens, 1), np.float32)
+    return ka.widened(kind.activation_order), xd, bx
 
 
 def dequantize_weight(
@@ -234,5 +253,15 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
                     np.empty((tokens, 2), np.float32)[:, :1],
                 ):
                     kind.decode_parts(table, w.data.shape[1], levels, *args, out, decode_tasks())
+        if kind.prompt_parts is not None and lanes_supported(kind.name):
+            tokens = DECODE_MAX_ROWS + 1  # a prompt's rows (kernels/quant/lanes.py)
+            args = prompt_kernel_args(
+                kind, quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
+            )
+            for out in (
+                np.empty((tokens, 1), np.float32),
+                np.empty((tokens, 2), np.float32)[:, :1],
+            ):
+                kind.prompt_parts(table, w.data.shape[1], *args, out, decode_tasks())
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

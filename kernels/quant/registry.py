@@ -49,6 +49,10 @@ class QuantType:
     decode_parts: Callable | None = None
     # the order of the int8 codes a Q8_256 kernel reads (Q8KActivations.kernel_args)
     activation_order: str = "natural"
+    # (parts, row_bytes, xw, xd, bx, out, tasks): the prompt kernel with weight rows in
+    # vector lanes (kernels/quant/lanes.py, matmul.prompt_kernel_args), where the type
+    # has one; it runs where lanes.lanes_supported says
+    prompt_parts: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -85,6 +89,7 @@ def _entry(
         dequant=getattr(family, f"dequant_{suffix}"),
         decode_parts=getattr(family, f"decode_parts_{suffix}", None),
         activation_order=activation_order,
+        prompt_parts=getattr(family, f"prompt_parts_{suffix}", None),
     )
 
 

@@ -17,6 +17,7 @@ from kernels.quant import (
 )
 from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
+from kernels.quant.lanes import lanes_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
 from kernels.quant.reference import reference_dequantize
 from kernels.quant.registry import ActivationFormat
@@ -129,12 +130,17 @@ def test_consecutive_parts_of_one_type_are_one_call():
         act = two_level_activations(x.numpy())
         y = np.concatenate([decode_matmul(act, p) for p in parts[3:5]], axis=1)
         assert torch.equal(alone[:, 144:320], torch.from_numpy(y[:b] + y[b:]))
-    # a prompt's rows: the super-block runs through the decode kernel, DECODE_MAX_ROWS
-    # rows a call (row by row the same bits), the Q8_0 parts through float32 tiles
+    # a prompt's rows: the super-block runs through the prompt kernel in lanes, or where
+    # the CPU has none the decode kernel (row by row the same bits), each run as its parts
+    # alone; the Q8_0 parts through float32 tiles
     x = torch.randn(2 * DECODE_MAX_ROWS + 3, K)
     got = lin(x)
-    rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
-    assert torch.equal(got[:, :144], rows[:, :144]) and torch.equal(got[:, 320:], rows[:, 320:])
+    alone = torch.cat([BlockLinear([p])(x) for p in parts], dim=1)
+    assert torch.equal(got[:, :144], alone[:, :144]) and torch.equal(got[:, 320:], alone[:, 320:])
+    if not lanes_supported("Q4_K"):
+        rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+        assert torch.equal(got[:, :144], rows[:, :144])
+        assert torch.equal(got[:, 320:], rows[:, 320:])
     tiles = [prefill_matmul(x, p, dtype=torch.float32) for p in parts[3:5]]
     assert torch.equal(got[:, 144:320], torch.cat(tiles, dim=1))
 
@@ -168,8 +174,12 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     assert ((decode - exact[:7]).abs() / scale[:7]).max() < 1e-4
     prefill = lin(x)  # more rows than one decode call takes
     if all(p.kind.activation is ActivationFormat.Q8_256 for p in parts):
-        # Q4_K / Q6_K: the decode kernel in chunks, each row as decoding it alone gives
-        assert torch.equal(prefill, torch.cat([lin(x[i : i + 1]) for i in range(len(x))]))
+        if all(lanes_supported(p.kind.name) for p in parts):
+            # the prompt kernel in lanes (tests/kernels/test_lanes.py): each row the
+            # same in any prompt of more than DECODE_MAX_ROWS rows
+            assert torch.equal(lin(x[4:]), prefill[4:])
+        else:  # the decode kernel in chunks, each row as decoding it alone gives
+            assert torch.equal(prefill, torch.cat([lin(x[i : i + 1]) for i in range(len(x))]))
         assert ((prefill - exact).abs() / scale).max() < 1e-4
     else:  # float32 tiles
         assert ((prefill - exact).abs() / scale).max() < 1e-5
