@@ -23,7 +23,7 @@ from kernels.head import RescoredHead
 from kernels.int4 import Int4Weight, int4_linear
 from kernels.int8 import Int8Weight, int8_linear
 from kernels.quant.device_linear import DeviceBlockEmbedding, DeviceBlockLinear, Uploads
-from kernels.quant.linear import BlockEmbedding, BlockLinear
+from kernels.quant.linear import LANE_MIN_ROWS, BlockEmbedding, BlockLinear, prompt_rows
 from kernels.quant.matmul import DECODE_MAX_ROWS
 from kernels.rope import rope_and_store
 
@@ -459,6 +459,13 @@ class Transformer:
         # remainder as the uncached prompt computed those rows), decode forwards from
         # BATCHED_FROM_ROWS sequences up, below which torch's int4 kernel is faster.
         bf16 = not batch.decode_only or tokens.shape[0] >= BATCHED_FROM_ROWS
+        # and which kernel file-block projections take: a prompt's rows the lane kernel
+        # where the CPU has one, a decode step's the decode kernel at any batch size
+        with prompt_rows(not batch.decode_only):
+            return self._forward_layers(x, batch, cache, rope, rope_local, bf16)
+
+    def _forward_layers(self, x, batch: StepBatch, cache: KVCache, rope, rope_local, bf16):
+        cfg = self.config
         h = None
         if self._on_host_arrays(x, batch, cache):
             xs = x.numpy()  # the residual stream, x's memory
@@ -494,6 +501,18 @@ class Transformer:
             and x.shape[0] <= DECODE_MAX_ROWS
             and cache.dense_pages(0) is not None
             and bool(self._norm_arrays())
+            and not self._prompt_in_lanes(x, batch)
+        )
+
+    def _prompt_in_lanes(self, x: torch.Tensor, batch: StepBatch) -> bool:
+        """Whether a projection takes this prompt forward's rows in the lane kernel
+        (kernels/quant/lanes.py), which the torch layers call."""
+        if batch.decode_only or x.shape[0] < LANE_MIN_ROWS:
+            return False
+        return any(
+            isinstance(lin, BlockLinear) and lin.has_lanes
+            for layer in self.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
 
     def _norm_arrays(self) -> list[_NormArrays]:

@@ -20,6 +20,8 @@ dequantized into a reused buffer and torch's GEMM.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,36 @@ from kernels.quant.weight import QuantWeight
 # a call: its activations (int8 in two orders and int16, 5 bytes an element and token)
 # stay within 5 MB at K = 8192, and each tile's unpacked rows serve 16 tiles of tokens
 LANE_PROMPT_ROWS = 128
+# Within a prompt's forward (:func:`prompt_rows`), from this many rows on: a 32-token
+# prompt at the Qwen2-7B shape on a Zen 4 core (the first token of a short chat) took
+# 2.52 s through the decode kernel
+LANE_MIN_ROWS = 8
+_FORWARD = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_rows(prompt: bool | None):
+    """Within: whether the rows :class:`BlockLinear` multiplies are a prompt's (True: the
+    lane kernel from :data:`LANE_MIN_ROWS` rows), a decode step's (False: the decode
+    kernel at any row count, so that a sequence decodes to the same bits in a batch of any
+    size) or either (None, outside: the lane kernel above ``DECODE_MAX_ROWS`` rows).
+    Per thread; the model's forward says which (``Transformer.forward``)."""
+    before = getattr(_FORWARD, "prompt", None)
+    _FORWARD.prompt = prompt
+    try:
+        yield
+    finally:
+        _FORWARD.prompt = before
+
+
+def _lane_rows(rows: int) -> bool:
+    """Whether ``rows`` rows take the lane kernel here (:func:`prompt_rows`)."""
+    prompt = getattr(_FORWARD, "prompt", None)
+    if prompt is None:
+        return rows > DECODE_MAX_ROWS
+    return prompt and rows >= LANE_MIN_ROWS
+
+
 # Where it has no such kernel, through the super-block decode kernel this many a call (any count
 # gives each row the bits of decoding it alone). The kernel keeps every row-token's
 # accumulators and a block of the tokens' activations in L1: at 16 tokens 20 KB with 8
@@ -149,8 +181,23 @@ class BlockLinear(PartsLinear):
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
-        few enough for the decode kernels (the row count alone decides, as in ``__call__``)."""
-        return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS
+        few enough for the decode kernels and not for the lane kernel (the row count and
+        :func:`prompt_rows` decide, as in ``__call__``)."""
+        return (
+            x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[0] <= DECODE_MAX_ROWS
+            and not self.takes_lanes(x.shape[0])
+        )
+
+    @property
+    def has_lanes(self) -> bool:
+        """Whether some of its parts take the lane kernel on this CPU (prompt rows)."""
+        return any(_in_lanes(g) for g in self._groups)
+
+    def takes_lanes(self, rows: int) -> bool:
+        """Whether ``rows`` rows go through the lane kernel here and now."""
+        return _lane_rows(rows) and self.has_lanes
 
     def normed(
         self,
@@ -203,18 +250,36 @@ class BlockLinear(PartsLinear):
 
     def _matmul(self, x: torch.Tensor) -> np.ndarray:
         rows = x.shape[0]
-        if rows <= DECODE_MAX_ROWS:
+        in_lanes = self.takes_lanes(rows)
+        if rows <= DECODE_MAX_ROWS and not in_lanes:
             return self._decode(x.numpy())
         out = np.empty((rows, self.out_features), np.float32)
+        if getattr(_FORWARD, "prompt", None) is False:
+            # a decode step of more sequences than one decode call takes: the decode
+            # kernels DECODE_MAX_ROWS rows a call, so that each row equals decoding it
+            # alone whatever the batch (float32 tiles would round otherwise)
+            for i in range(0, rows, DECODE_MAX_ROWS):
+                part = x[i : i + DECODE_MAX_ROWS].numpy()
+                self._decode(part, out=out[i : i + DECODE_MAX_ROWS])
+            return out
         # Q4_K / Q6_K: the decode kernel, PROMPT_ROWS rows a call; each row comes out
         # as decoding it alone would, and sooner than from float32 tiles (where the
         # dequantized tile costs more than the integer dots it replaces; not so for the
         # per-32 types, whose decode kernels unpack into a buffer)
         chunked = [g for g in self._groups if _super_blocks(g)]
-        # where the CPU has it, the prompt kernel with weight rows in lanes (a row's
-        # result is the same in any chunk of any size: kernels/quant/lanes.py)
-        lanes = [g for g in chunked if _in_lanes(g)]
-        chunked = [g for g in chunked if not _in_lanes(g)]
+        # a prompt's rows, where the CPU has it: the prompt kernel with weight rows in
+        # lanes (a row's result is the same in any chunk of any size: kernels/quant/lanes.py)
+        lanes = [g for g in chunked if in_lanes and _in_lanes(g)]
+        chunked = [g for g in chunked if g not in lanes]
+        if rows <= DECODE_MAX_ROWS:  # the other parts as the decode path takes them
+            others = [g for g in self._groups if g not in lanes]
+            if others:
+                xn = x.numpy()
+                act = two_level_activations(xn) if self._per32 else None
+                self._decode(xn, act, out=out, groups=others)
+            chunked, rest = [], []
+        else:
+            rest = self._groups
         for i in range(0, rows if lanes else 0, LANE_PROMPT_ROWS):
             ka = quantize_super_blocks(x[i : i + LANE_PROMPT_ROWS].numpy(), levels=2)
             for group in lanes:
@@ -229,7 +294,7 @@ class BlockLinear(PartsLinear):
         # the other types: float32 tiles, exact products of the dequantized weights (bf16
         # tiles round every output to 8 bits of mantissa: SmolLM2's argmax then moved at
         # 2% of the positions of a 512-token text, against none in float32)
-        for group in self._groups:
+        for group in rest:
             if _super_blocks(group):
                 continue
             cols = out[:, group.first : group.first + group.columns]
@@ -272,7 +337,7 @@ class BlockLinear(PartsLinear):
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity (its table is an array)
 class _Group:
     """Output columns ``first .. first + columns`` of a :class:`BlockLinear`: consecutive
     parts of one block type, multiplied in one call through their row table (``table``:

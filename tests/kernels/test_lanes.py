@@ -160,3 +160,38 @@ def test_lane_kernel_codegen(qtype):
     broadcast = r"vpdpwssd\s+-?\d*\(%\w+(?:,%\w+)?(?:,\d)?\)\{1to16\}, %zmm"
     assert len(re.findall(broadcast, asm)) >= TOKEN_TILE
     assert not re.search(r"vpmovzx|vpermt2|vpmaddubsw|vpmullw", asm)
+
+
+def test_a_forward_says_whether_its_rows_are_a_prompts():
+    """Within a prompt's forward (prompt_rows(True)) rows from LANE_MIN_ROWS on take the
+    lane kernel and fewer the decode kernel; within a decode step's (False) the decode
+    kernel at any row count, so each row equals decoding it alone; the parts of another
+    type beside them go as the decode path takes them."""
+    from kernels.quant.linear import LANE_MIN_ROWS, prompt_rows
+
+    _needs_lanes(Q.Q4_K)
+    raws, _, _ = _parts(Q.Q4_K, [24], seed=8)
+    w = QuantWeight.from_raw(raws[0], Q.Q4_K, (24, K))
+    q8 = QuantWeight.from_raw(
+        random_blocks(Q.Q8_0, 16, K, np.random.default_rng(9)), Q.Q8_0, (16, K)
+    )
+    lin, other = BlockLinear([w, q8]), BlockLinear([q8])
+    x = torch.randn(DECODE_MAX_ROWS + 8, K, generator=torch.Generator().manual_seed(10))
+    table = np.array([[raws[0].ctypes.data, 24]], np.int64)
+
+    def lanes(rows):
+        act = quantize_super_blocks(x[:rows].numpy(), levels=2)
+        return _run(Q.Q4_K, table, raws[0].shape[1], act, np.empty((rows, 24), np.float32))
+
+    with prompt_rows(False):
+        one = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+        assert torch.equal(lin(x), one) and not lin.takes_lanes(len(x))
+    with prompt_rows(True):
+        few = lin(x[: LANE_MIN_ROWS - 1])
+        assert torch.equal(few, one[: LANE_MIN_ROWS - 1])
+        got = lin(x[:LANE_MIN_ROWS])
+        assert not lin.fuses(x[:LANE_MIN_ROWS]) and lin.fuses(x[: LANE_MIN_ROWS - 1])
+        assert np.array_equal(got[:, :24].numpy(), lanes(LANE_MIN_ROWS))
+        assert torch.equal(got[:, 24:], other(x[:LANE_MIN_ROWS]))
+    assert np.array_equal(lin(x)[:, :24].numpy(), lanes(len(x)))  # outside: by row count
+    assert torch.equal(lin(x[:LANE_MIN_ROWS]), one[:LANE_MIN_ROWS])

@@ -619,3 +619,33 @@ def test_parallel_samples_under_cache_pressure_never_cost_another_job_its_reply(
         assert_no_leaks(gen)
         errors += [(seed, r.error) for r in results.values() if r.eos_reason == "error"]
     assert not errors, errors
+
+
+def test_batching_is_invisible_over_the_lane_kernel(tmp_path, monkeypatch):
+    """A Q4_K_M model where the CPU has the prompt kernel in lanes (kernels/quant/lanes.py):
+    prompt chunks take it from LANE_MIN_ROWS rows, decode steps never, even 40 sequences
+    at once (more than DECODE_MAX_ROWS): every job's tokens equal its tokens alone."""
+    from kernels.quant.lanes import lanes_supported
+    from kernels.quant.linear import LANE_MIN_ROWS, BlockLinear
+    from kernels.quant.matmul import DECODE_MAX_ROWS
+    from tests.engine.test_forward_tiny import FILE_MIXES
+    from tests.engine.tiny_models import Q, make_hf_model, write_gguf
+
+    if not lanes_supported("Q4_K"):
+        pytest.skip("this CPU has no AVX-512 VNNI: prompts take the decode kernels here")
+    model = make_hf_model("llama", seed=21, tie_word_embeddings=False)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=5)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    requests = _varied_requests(40, loaded.config.vocab_size, seed=3, max_new=6)
+    alone = [run_alone(loaded, r, tokens=4096, max_chunk_size=32).token_ids[0] for r in requests]
+    seen = []
+    takes = BlockLinear.takes_lanes
+    monkeypatch.setattr(
+        BlockLinear,
+        "takes_lanes",
+        lambda self, rows: seen.append((rows, takes(self, rows))) or seen[-1][1],
+    )
+    batched, _, _ = _batched(loaded, requests, tokens=8192, max_batch_size=40, max_chunk_size=32)
+    assert [r.token_ids[0] for r in batched] == alone
+    assert any(lanes and rows >= LANE_MIN_ROWS for rows, lanes in seen)  # prompt chunks
+    assert any(not lanes and rows > DECODE_MAX_ROWS for rows, lanes in seen)  # 33+ decoded
