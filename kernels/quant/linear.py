@@ -6,8 +6,10 @@ file: one or several parts fused along the output dimension (q/k/v, gate/up), ea
 Q6_K within a layer). The input is quantized to int8 once for all parts.
 :class:`BlockEmbedding` dequantizes the rows a step looks up, never the table.
 
-Which kernel runs depends on the number of rows only (never on what else is in the
-batch): up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows, the integer decode
+Which kernel runs depends on the number of rows and on whether they are a prompt's or
+a decode step's (:func:`prompt_rows`; never on what else is in the batch): a decode step
+always, and outside a forward up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows
+(a prompt's forward below :data:`LANE_MIN_ROWS`), the integer decode
 kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
 the k-quant super-block kernels), whose row ``b``
 depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the prompt kernel
@@ -129,6 +131,7 @@ class BlockLinear(PartsLinear):
         "_groups",
         "_take",
         "_bias",
+        "_lanes",
     )
 
     def __init__(
@@ -159,6 +162,7 @@ class BlockLinear(PartsLinear):
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
         )
         self._groups = _decode_groups(self.parts)
+        self._lanes = any(_in_lanes(g) for g in self._groups)
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
     def __call__(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
@@ -193,7 +197,7 @@ class BlockLinear(PartsLinear):
     @property
     def has_lanes(self) -> bool:
         """Whether some of its parts take the lane kernel on this CPU (prompt rows)."""
-        return any(_in_lanes(g) for g in self._groups)
+        return self._lanes
 
     def takes_lanes(self, rows: int) -> bool:
         """Whether ``rows`` rows go through the lane kernel here and now."""
