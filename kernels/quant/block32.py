@@ -38,7 +38,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.blocks import INLINE, part_of, walk_row
+from kernels.quant.blocks import INLINE, part_of, part_rows, walk_row
 from kernels.quant.simd import (
     F32,
     HAS_F16C,
@@ -362,10 +362,7 @@ def block32_rows(kind, parts, row_bytes, levels, xq, xd, xsum, out, tasks):
     unpacking."""
     if levels != 1 and levels != 2:
         raise ValueError("block32_rows: one or two levels of activations")
-    n_parts = parts.shape[0]
-    n_rows = 0
-    for p in range(n_parts):
-        n_rows += parts[p, 1]
+    n_rows = part_rows(parts)
     tokens = out.shape[0]
     nblk = xq.shape[1] // 32
     tasks = max(1, min(n_rows, tasks))

@@ -67,6 +67,15 @@ def one_part(w):
 
 
 @numba.njit(**INLINE)
+def part_rows(parts):
+    """The rows of all the parts of a part table together."""
+    n = 0
+    for p in range(parts.shape[0]):
+        n += parts[p, 1]
+    return n
+
+
+@numba.njit(**INLINE)
 def part_of(parts, row):
     """``(p, base)``: the part holding row ``row`` of a part table, and its first row's
     index among all the parts' rows."""

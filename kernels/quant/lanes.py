@@ -35,7 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.blocks import INLINE, part_of
+from kernels.quant.blocks import INLINE, part_of, part_rows
 from kernels.quant.simd import F32, HOST_ISA, I32, I64, _fma, _fn, _literal, _vec, stream_ahead
 from kernels.quant.superblock import (
     KBLOCK_KINDS,
@@ -272,10 +272,7 @@ def lane_rows(kind, parts, row_bytes, xw, xd, bx, out, tasks):
     256; ``bx[t]`` for Q4_K its paired sums per 32 times those scales, float32), for all
     tokens, tiles of :data:`LANES` rows split in ``tasks`` ranges over numba's threads.
     Each tile's rows are unpacked once for all tokens (:func:`lanes_unpack`)."""
-    n_parts = parts.shape[0]
-    n_rows = 0
-    for p in range(n_parts):
-        n_rows += parts[p, 1]
+    n_rows = part_rows(parts)
     tokens = out.shape[0]
     nblk = xw.shape[1] // 256
     n_tiles = (n_rows + LANES - 1) // LANES

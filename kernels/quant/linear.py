@@ -70,7 +70,7 @@ def prompt_rows(prompt: bool | None):
     kernel at any row count, so that a sequence decodes to the same bits in a batch of any
     size) or either (None, outside: the lane kernel above ``DECODE_MAX_ROWS`` rows).
     Per thread; the model's forward says which (``Transformer.forward``)."""
-    before = getattr(_FORWARD, "prompt", None)
+    before = _forward_prompt()
     _FORWARD.prompt = prompt
     try:
         yield
@@ -78,9 +78,14 @@ def prompt_rows(prompt: bool | None):
         _FORWARD.prompt = before
 
 
+def _forward_prompt() -> bool | None:
+    """What :func:`prompt_rows` says on this thread now."""
+    return getattr(_FORWARD, "prompt", None)
+
+
 def _lane_rows(rows: int) -> bool:
     """Whether ``rows`` rows take the lane kernel here (:func:`prompt_rows`)."""
-    prompt = getattr(_FORWARD, "prompt", None)
+    prompt = _forward_prompt()
     if prompt is None:
         return rows > DECODE_MAX_ROWS
     return prompt and rows >= LANE_MIN_ROWS
@@ -258,7 +263,7 @@ class BlockLinear(PartsLinear):
         if rows <= DECODE_MAX_ROWS and not in_lanes:
             return self._decode(x.numpy())
         out = np.empty((rows, self.out_features), np.float32)
-        if getattr(_FORWARD, "prompt", None) is False:
+        if _forward_prompt() is False:
             # a decode step of more sequences than one decode call takes: the decode
             # kernels DECODE_MAX_ROWS rows a call, so that each row equals decoding it
             # alone whatever the batch (float32 tiles would round otherwise)

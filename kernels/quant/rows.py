@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.quant.blocks import INLINE, byte_row, one_part, part_of, walk_row
+from kernels.quant.blocks import INLINE, byte_row, one_part, part_of, part_rows, walk_row
 from kernels.quant.simd import (
     HOST_ISA,
     ISA_CODES,
@@ -90,10 +90,7 @@ def decode_parts_rows(unpack, sw, signed, parts, row_bytes, levels, xq, xs, xsum
     file), with ``levels`` levels of activations per token (rows ``t``, ``T + t``, ...
     of ``xq`` for token ``t < T``, ``T`` the rows of ``out``) summed into ``out[t, n]``
     in level order (the same bits as adding the rows of :func:`decode_rows`'s output)."""
-    n_parts = parts.shape[0]
-    n_rows = 0
-    for p in range(n_parts):
-        n_rows += parts[p, 1]
+    n_rows = part_rows(parts)
     batch, k = xq.shape
     tokens = out.shape[0]
     n_sub = k // sw

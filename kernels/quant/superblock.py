@@ -40,7 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.blocks import INLINE, part_of, walk_row
+from kernels.quant.blocks import INLINE, part_of, part_rows, walk_row
 from kernels.quant.simd import (
     F32,
     HAS_F16C,
@@ -681,10 +681,7 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     :data:`~kernels.quant.simd.STREAM_AHEAD` on asked into L2 block by block."""
     if levels == WIDE and out.shape[0] <= FEW_TOKENS:
         raise ValueError("int16 activations are for more than FEW_TOKENS tokens")
-    n_parts = parts.shape[0]
-    n_rows = 0
-    for p in range(n_parts):
-        n_rows += parts[p, 1]
+    n_rows = part_rows(parts)
     tokens = out.shape[0]
     nblk = xq.shape[1] // 256
     tasks = max(1, min(n_rows, tasks))
