@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine import allocator
@@ -130,9 +131,16 @@ def load_model(
         raise ModelLoadError(f"{path}: no such model file or folder")
     start = time.perf_counter()
     report = progress or (lambda fraction, what: None)
+    tokenizer = None
     if path.is_dir():
         loaded = _load_hf_folder(path, dtype, report)
     elif path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
+        if load_tokenizer:
+            # First: parsing a large vocabulary (Gemma 3's 262,144 tokens) holds about
+            # 240 MB for a moment, which on top of the loaded weights (and of the kernels'
+            # code, loaded when weights are repacked) was the peak of the whole load. A
+            # tokenizer error still comes after any error in the weights, as before.
+            tokenizer = _early_tokenizer(path)
         loaded = _load_gguf(path, weight_mode, dtype, report, head_bits)
     else:
         raise ModelLoadError(
@@ -156,7 +164,9 @@ def load_model(
         _add_batched_weights(loaded, batched_weights, report)
     if load_tokenizer:
         report(0.95, "tokenizer")
-        loaded.tokenizer = _load_tokenizer(loaded)
+        if isinstance(tokenizer, ModelLoadError):
+            raise tokenizer
+        loaded.tokenizer = tokenizer or _load_tokenizer(loaded)
     allocator.release_free_memory()  # what parsing the header and the tokenizer left
     loaded.load_seconds = time.perf_counter() - start
     report(1.0, "ready")
@@ -166,6 +176,21 @@ def load_model(
 def _looks_like_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
+
+
+def _early_tokenizer(path: Path):
+    """The GGUF file's tokenizer, or the error loading it gave (raised later), its
+    transient memory handed back to the system."""
+    from engine.model.tokenizer import Tokenizer, TokenizerError
+
+    try:
+        return Tokenizer.from_gguf(path)
+    except TokenizerError as exc:
+        return ModelLoadError(_naming(path, str(exc)))
+    except Exception:  # a damaged header: the weights' loading names the problem
+        return None
+    finally:
+        allocator.release_free_memory()
 
 
 def _load_tokenizer(loaded: LoadedModel):
@@ -268,7 +293,9 @@ def _load_gguf(
         perm = torch.cat(perms)
         if bool((perm == torch.arange(offset)).all()):
             perm = None
-        return BlockLinear(parts, fused_bias, perm)
+        # parts repacked into tiles: their file pages, read once to repack, leave the
+        # resident set as they are done
+        return BlockLinear(parts, fused_bias, perm, release=gf.release)
 
     def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat | BlockLinear:
         """One projection, or several fused along the output dim (q/k/v, gate/up)."""
@@ -301,13 +328,18 @@ def _load_gguf(
     names = GGUF_GEMMA_NAMES if config.arch == "gemma3" else GGUF_NAMES
     layers = _build_layers(config, names, norm, linear, report)
     if weight_mode == "native":
-        # the weights are read in place: their pages mapped on a thread, not by the first
-        # token (GGUFFile.prefault)
-        threading.Thread(target=gf.prefault, name="folio-prefault", daemon=True).start()
         embedding = BlockEmbedding(block_weight("token_embd.weight"))
         lm_head = (
-            linear("output") if "output.weight" in gf.tensors else BlockLinear([embedding.weight])
+            linear("output")
+            if "output.weight" in gf.tensors
+            else BlockLinear([embedding.weight], release=gf.release)
         )
+        # the weights are read in place: their pages mapped on a thread, not by the first
+        # token (GGUFFile.prefault), except those repacked into tiles (released)
+        repacked = _repacked_bytes(layers, lm_head)
+        threading.Thread(
+            target=gf.prefault, kwargs={"skip": tuple(repacked)}, name="folio-prefault", daemon=True
+        ).start()
     else:
         embedding, lm_head = _dense_embedding_and_head(dense, linear, gf, weight_mode, head_bits)
     factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
@@ -320,10 +352,29 @@ def _load_gguf(
         config=config,
         model=model,
         weight_mode=weight_mode,
-        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}"),
+        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode)}"),
         load_seconds=0.0,
         quant_types=counts,
     )
+
+
+def _kernels(weight_mode: str) -> str:
+    """What else decides the K/V bits of native weights: k-quants as tiles on this CPU
+    (kernels/quant/tiles.py) compute other last bits than the file-block kernels, so
+    pages cached on disk before (or on a CPU without them) are not reused with them."""
+    if weight_mode != "native":
+        return ""
+    from kernels.quant.tiles import tiles_supported
+
+    return ":tiles1" if tiles_supported("Q4_K") else ""
+
+
+def _repacked_bytes(layers, lm_head) -> list[np.ndarray]:
+    """The file bytes of every weight a :class:`BlockLinear` repacked into tiles."""
+    lins = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [
+        p.data for lin in [*lins, lm_head] if isinstance(lin, BlockLinear) for p in lin.repacked()
+    ]
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

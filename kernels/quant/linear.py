@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,14 @@ from kernels.quant.matmul import (
     prompt_kernel_args,
 )
 from kernels.quant.registry import ActivationFormat
+from kernels.quant.tiles import (
+    CODES,
+    TILE_ROWS,
+    repack_parts,
+    tile_rows,
+    tile_sums,
+    tiles_supported,
+)
 from kernels.quant.weight import QuantWeight
 
 # A prompt's rows go through the prompt kernel in lanes (kernels/quant/lanes.py) this many
@@ -144,7 +153,10 @@ class BlockLinear(PartsLinear):
         parts: list[QuantWeight],
         bias: torch.Tensor | None = None,
         perm: torch.Tensor | None = None,
+        release: Callable[[list[np.ndarray]], None] | None = None,
     ):
+        """``release``: called with the file bytes of parts repacked into tiles, as they
+        are done (the loader's ``GGUFFile.release``: they leave the resident set)."""
         if not parts:
             raise ValueError("BlockLinear needs at least one weight")
         k = parts[0].in_features
@@ -166,7 +178,7 @@ class BlockLinear(PartsLinear):
         self._per32 = any(
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
         )
-        self._groups = _decode_groups(self.parts)
+        self._groups = _decode_groups(self.parts, release)
         self._lanes = any(_in_lanes(g) for g in self._groups)
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
@@ -179,6 +191,19 @@ class BlockLinear(PartsLinear):
             x2 = x2.float()
         y = torch.from_numpy(self._finish(self._matmul(x2.contiguous())))
         return y.reshape(*lead, self.out_features)
+
+    def nbytes(self) -> int:
+        """Resident bytes: the file's blocks read in place, or the tiles they were
+        repacked into (whose file pages are then never read)."""
+        n = sum(
+            g.tiles.nbytes if g.tiles is not None else sum(p.nbytes for p in g.parts)
+            for g in self._groups
+        )
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def repacked(self) -> list[QuantWeight]:
+        """The parts held as tiles (their file bytes are not read again)."""
+        return [p for g in self._groups if g.tiles is not None for p in g.parts]
 
     @property
     def prefills_in_row_chunks(self) -> bool:
@@ -275,13 +300,15 @@ class BlockLinear(PartsLinear):
         # as decoding it alone would, and sooner than from float32 tiles (where the
         # dequantized tile costs more than the integer dots it replaces; not so for the
         # per-32 types, whose decode kernels unpack into a buffer)
-        chunked = [g for g in self._groups if _super_blocks(g)]
+        # Q4_K tiles (kernels/quant/tiles.py): the same bits at any row count
+        tiled = [g for g in self._groups if g.tiles is not None]
+        chunked = [g for g in self._groups if _super_blocks(g) and g.tiles is None]
         # a prompt's rows, where the CPU has it: the prompt kernel with weight rows in
         # lanes (a row's result is the same in any chunk of any size: kernels/quant/lanes.py)
         lanes = [g for g in chunked if in_lanes and _in_lanes(g)]
         chunked = [g for g in chunked if g not in lanes]
         if rows <= DECODE_MAX_ROWS:  # the other parts as the decode path takes them
-            others = [g for g in self._groups if g not in lanes]
+            others = [g for g in self._groups if g not in lanes and g.tiles is None]
             if others:
                 xn = x.numpy()
                 act = two_level_activations(xn) if self._per32 else None
@@ -289,8 +316,14 @@ class BlockLinear(PartsLinear):
             chunked, rest = [], []
         else:
             rest = self._groups
-        for i in range(0, rows if lanes else 0, LANE_PROMPT_ROWS):
+        for i in range(0, rows if lanes or tiled else 0, LANE_PROMPT_ROWS):
             ka = quantize_super_blocks(x[i : i + LANE_PROMPT_ROWS].numpy(), levels=2)
+            for group in tiled:
+                _tiles(
+                    group,
+                    ka,
+                    out[i : i + LANE_PROMPT_ROWS, group.first : group.first + group.columns],
+                )
             for group in lanes:
                 kind = group.parts[0].kind
                 cols = out[i : i + LANE_PROMPT_ROWS, group.first : group.first + group.columns]
@@ -335,10 +368,16 @@ class BlockLinear(PartsLinear):
                 if self._per32 and groups is None
                 else quantize_super_blocks(x, levels=2)
             )
+        act_k = None  # super-block activations for tiles, where ``act`` is per 32
         for group in self._groups if groups is None else groups:
             cols = out[:, group.first : group.first + group.columns]
             if group.table is None:  # a float part
                 cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
+                continue
+            if group.tiles is not None:
+                if not isinstance(act, Q8KActivations):  # made per 32 for other parts
+                    act_k = act_k or quantize_super_blocks(x, levels=2)
+                _tiles(group, act if isinstance(act, Q8KActivations) else act_k, cols)
                 continue
             kind = group.parts[0].kind
             levels, *args = parts_kernel_args(kind, act, rows)
@@ -358,12 +397,22 @@ class _Group:
     columns: int
     row_bytes: int = 0
     table: np.ndarray | None = None
+    # Q4_K on AVX-512 VNNI: the parts repacked into tiles of 16 rows
+    # (kernels/quant/tiles.py), which every row count then multiplies
+    tiles: np.ndarray | None = None
 
 
 def _in_lanes(group: _Group) -> bool:
     """Whether the group's prompt rows take :func:`~kernels.quant.lanes.lane_rows`."""
-    kind = group.parts[0].kind if group.table is not None else None
+    kind = group.parts[0].kind if group.table is not None and group.tiles is None else None
     return kind is not None and kind.prompt_parts is not None and lanes_supported(kind.name)
+
+
+def _tiles(group: _Group, act: Q8KActivations, cols: np.ndarray) -> None:
+    """``cols`` = the tiled group's product with two levels of super-block activations."""
+    name = group.parts[0].kind.name
+    sums = tile_sums(name, act)
+    tile_rows(CODES[name], group.tiles, group.columns, act.q, act.d, sums, cols, decode_tasks())
 
 
 def _super_blocks(group: _Group) -> bool:
@@ -371,7 +420,9 @@ def _super_blocks(group: _Group) -> bool:
     return group.table is not None and group.parts[0].kind.activation is ActivationFormat.Q8_256
 
 
-def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
+def _decode_groups(
+    parts: list[QuantWeight], release: Callable[[list[np.ndarray]], None] | None = None
+) -> list[_Group]:
     groups: list[_Group] = []
     run: list[QuantWeight] = []
     first = 0
@@ -381,7 +432,13 @@ def _decode_groups(parts: list[QuantWeight]) -> list[_Group]:
         if run:
             table = np.array([[p.data.ctypes.data, p.out_features] for p in run], np.int64)
             columns = sum(p.out_features for p in run)
-            groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table))
+            tiles = None
+            # fused parts as one array of tiles: every part but the last whole tiles
+            if tiles_supported(run[0].kind.name) and all(
+                p.out_features % TILE_ROWS == 0 for p in run[:-1]
+            ):
+                tiles = repack_parts([p.data for p in run], run[0].kind.name, release)
+            groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table, tiles))
             first += columns
             run = []
 

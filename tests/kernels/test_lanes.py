@@ -124,20 +124,25 @@ def test_extreme_codes_and_activations_do_not_wrap(qtype):
     assert (np.abs(got - want) / (np.abs(_values(act)) @ np.abs(dense).T)).max() < 2e-6
 
 
-@pytest.mark.parametrize("qtype", KINDS)
-def test_prompts_take_the_lane_kernel_in_any_chunking(qtype):
+# BlockLinear takes Q4_K as tiles where the CPU has lanes (kernels/quant/tiles.py); a
+# part of Q4_K rows that no tile layout fits (a fused part of rows not a multiple of 16
+# before another) still takes the lane kernel
+@pytest.mark.parametrize("qtype, rows", [(Q.Q6_K, 24), (Q.Q4_K, 24)])
+def test_prompts_take_the_lane_kernel_in_any_chunking(qtype, rows):
     """Above DECODE_MAX_ROWS rows a projection of these types runs the lane kernel,
     LANE_PROMPT_ROWS rows a call: a row's output is the same bits in a prompt of any
     length (no dependence on the chunk it falls in), and what the kernel gives alone."""
     _needs_lanes(qtype)
-    raws, _, _ = _parts(qtype, [24], seed=6)
-    w = QuantWeight.from_raw(raws[0], qtype, (24, K))
-    lin = BlockLinear([w])
+    raws, _, _ = _parts(qtype, [rows, 16], seed=6)
+    w = QuantWeight.from_raw(raws[0], qtype, (rows, K))
+    tail = QuantWeight.from_raw(raws[1], qtype, (16, K))
+    lin = BlockLinear([w, tail])
+    assert all(g.tiles is None for g in lin._groups)  # 24 rows, then more: no tiles
     rows = LANE_PROMPT_ROWS + 9
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(7))
-    full = lin(x)
-    assert torch.equal(lin(x[50:]), full[50:])  # another chunking of the same rows
-    assert torch.equal(lin(x[: DECODE_MAX_ROWS + 1]), full[: DECODE_MAX_ROWS + 1])
+    full = lin(x)[:, :24]
+    assert torch.equal(lin(x[50:])[:, :24], full[50:])  # another chunking of the same rows
+    assert torch.equal(lin(x[: DECODE_MAX_ROWS + 1])[:, :24], full[: DECODE_MAX_ROWS + 1])
     act = quantize_super_blocks(x[:40].numpy(), levels=2)
     table = np.array([[raws[0].ctypes.data, 24]], np.int64)
     alone = _run(qtype, table, raws[0].shape[1], act, np.empty((40, 24), np.float32))
@@ -169,19 +174,20 @@ def test_a_forward_says_whether_its_rows_are_a_prompts():
     type beside them go as the decode path takes them."""
     from kernels.quant.linear import LANE_MIN_ROWS, prompt_rows
 
-    _needs_lanes(Q.Q4_K)
-    raws, _, _ = _parts(Q.Q4_K, [24], seed=8)
-    w = QuantWeight.from_raw(raws[0], Q.Q4_K, (24, K))
+    _needs_lanes(Q.Q6_K)
+    raws, _, _ = _parts(Q.Q6_K, [24, 16], seed=8)
+    w = QuantWeight.from_raw(raws[0], Q.Q6_K, (24, K))
+    tail = QuantWeight.from_raw(raws[1], Q.Q6_K, (16, K))  # 24 rows then more: no tiles
     q8 = QuantWeight.from_raw(
         random_blocks(Q.Q8_0, 16, K, np.random.default_rng(9)), Q.Q8_0, (16, K)
     )
-    lin, other = BlockLinear([w, q8]), BlockLinear([q8])
+    lin, other = BlockLinear([w, tail, q8]), BlockLinear([q8])
     x = torch.randn(DECODE_MAX_ROWS + 8, K, generator=torch.Generator().manual_seed(10))
     table = np.array([[raws[0].ctypes.data, 24]], np.int64)
 
     def lanes(rows):
         act = quantize_super_blocks(x[:rows].numpy(), levels=2)
-        return _run(Q.Q4_K, table, raws[0].shape[1], act, np.empty((rows, 24), np.float32))
+        return _run(Q.Q6_K, table, raws[0].shape[1], act, np.empty((rows, 24), np.float32))
 
     with prompt_rows(False):
         one = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
@@ -192,6 +198,6 @@ def test_a_forward_says_whether_its_rows_are_a_prompts():
         got = lin(x[:LANE_MIN_ROWS])
         assert not lin.fuses(x[:LANE_MIN_ROWS]) and lin.fuses(x[: LANE_MIN_ROWS - 1])
         assert np.array_equal(got[:, :24].numpy(), lanes(LANE_MIN_ROWS))
-        assert torch.equal(got[:, 24:], other(x[:LANE_MIN_ROWS]))
+        assert torch.equal(got[:, 40:], other(x[:LANE_MIN_ROWS]))
     assert np.array_equal(lin(x)[:, :24].numpy(), lanes(len(x)))  # outside: by row count
     assert torch.equal(lin(x[:LANE_MIN_ROWS]), one[:LANE_MIN_ROWS])

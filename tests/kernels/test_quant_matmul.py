@@ -239,10 +239,17 @@ for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544), ("Q4_1", 544), ("Q5
     w = QuantWeight.from_raw(random_blocks(qt, 23, k, np.random.default_rng(k)), qt, (23, k))
     x = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
     out[name] = decode_matmul(quantize_activations(x), w).tolist()
-    # the fused projection: both levels of a token in one kernel call
-    import torch
-    from kernels.quant.linear import BlockLinear
-    out["paired " + name] = BlockLinear([w])(torch.from_numpy(x)).tolist()
+    # the fused-parts decode kernel: both levels of a token in one kernel call (the
+    # decode kernel itself: BlockLinear takes Q4_K as tiles on AVX-512 VNNI)
+    from kernels.quant.activations import quantize_super_blocks, two_level_activations
+    from kernels.quant.matmul import decode_tasks, parts_kernel_args
+    per32 = w.kind.activation.name == "Q8_32"
+    act = two_level_activations(x) if per32 else quantize_super_blocks(x, levels=2)
+    levels, *args = parts_kernel_args(w.kind, act, len(x))
+    table = np.array([[w.data.ctypes.data, w.out_features]], np.int64)
+    paired = np.empty((len(x), w.out_features), np.float32)
+    w.kind.decode_parts(table, w.data.shape[1], levels, *args, paired, decode_tasks())
+    out["paired " + name] = paired.tolist()
 """
 
 

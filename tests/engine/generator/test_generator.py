@@ -621,31 +621,33 @@ def test_parallel_samples_under_cache_pressure_never_cost_another_job_its_reply(
     assert not errors, errors
 
 
-def test_batching_is_invisible_over_the_lane_kernel(tmp_path, monkeypatch):
-    """A Q4_K_M model where the CPU has the prompt kernel in lanes (kernels/quant/lanes.py):
-    prompt chunks take it from LANE_MIN_ROWS rows, decode steps never, even 40 sequences
-    at once (more than DECODE_MAX_ROWS): every job's tokens equal its tokens alone."""
-    from kernels.quant.lanes import lanes_supported
+def test_batching_is_invisible_over_the_tile_kernel(tmp_path, monkeypatch):
+    """A Q4_K_M model where the CPU takes its Q4_K / Q6_K weights as tiles
+    (kernels/quant/tiles.py): prompt chunks of any size and decode steps of up to 40
+    sequences (more than DECODE_MAX_ROWS) through the one tile kernel: every job's tokens
+    equal its tokens alone."""
+    import kernels.quant.linear as linear
     from kernels.quant.linear import LANE_MIN_ROWS, BlockLinear
     from kernels.quant.matmul import DECODE_MAX_ROWS
+    from kernels.quant.tiles import tiles_supported
     from tests.engine.test_forward_tiny import FILE_MIXES
     from tests.engine.tiny_models import Q, make_hf_model, write_gguf
 
-    if not lanes_supported("Q4_K"):
-        pytest.skip("this CPU has no AVX-512 VNNI: prompts take the decode kernels here")
+    if not tiles_supported("Q4_K"):
+        pytest.skip("this CPU has no AVX-512 VNNI: k-quants stay in file blocks here")
     model = make_hf_model("llama", seed=21, tie_word_embeddings=False)
     write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=5)
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    lins = [lin for layer in loaded.model.layers for lin in (layer.qkv, layer.down)]
+    assert all(isinstance(lin, BlockLinear) and lin.repacked() for lin in lins)
     requests = _varied_requests(40, loaded.config.vocab_size, seed=3, max_new=6)
     alone = [run_alone(loaded, r, tokens=4096, max_chunk_size=32).token_ids[0] for r in requests]
     seen = []
-    takes = BlockLinear.takes_lanes
+    tiles = linear._tiles
     monkeypatch.setattr(
-        BlockLinear,
-        "takes_lanes",
-        lambda self, rows: seen.append((rows, takes(self, rows))) or seen[-1][1],
+        linear, "_tiles", lambda group, act, cols: seen.append(len(cols)) or tiles(group, act, cols)
     )
     batched, _, _ = _batched(loaded, requests, tokens=8192, max_batch_size=40, max_chunk_size=32)
     assert [r.token_ids[0] for r in batched] == alone
-    assert any(lanes and rows >= LANE_MIN_ROWS for rows, lanes in seen)  # prompt chunks
-    assert any(not lanes and rows > DECODE_MAX_ROWS for rows, lanes in seen)  # 33+ decoded
+    assert any(rows >= LANE_MIN_ROWS for rows in seen)  # prompt chunks
+    assert any(rows > DECODE_MAX_ROWS // 2 for rows in seen)  # many sequences decoded

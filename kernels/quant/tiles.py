@@ -1,0 +1,541 @@
+"""Q4_K weights repacked at load into tiles of 16 rows, and the one kernel that multiplies
+them at every batch size (AVX-512 VNNI).
+
+Why: :func:`~kernels.quant.superblock.kblock_pass` decodes one token at 36 cycles a row
+and super-block on a Zen 4 core (two int8 levels of activations, each a ``vpmaddubsw``
+and a ``vpdpwssd`` per 64 elements, the scales picked per pair, a float step per row and
+block): 14 GB/s of weights a core, so two cores stop at 28 of the 34 GB/s the machine
+reads. The lane kernel (:mod:`kernels.quant.lanes`) spends a fifth of that per
+multiply-add, but transposes 16 rows' unpacked blocks on every call, which pays only
+over many tokens (at 16 tokens it is no faster than the decode kernel), and its bits
+are not the decode kernel's, so a decode step cannot take it.
+
+Here the transposition is done once, at load (:func:`repack_q4_k`): a tile holds 16
+rows' super-block ``b`` as one record of :data:`RECORD` bytes, the rows' code bytes
+interleaved four at a time, so that one 64-byte load is 16 rows x 8 codes (their low
+nibbles 4 elements of one sub-block, their high nibbles 4 of the next), the sub-block
+scales and mins decoded to bytes (64 bytes more than the file's 2,304: +2.8%). Then per
+load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of them with
+the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
+instruction, no shuffle. Each run of two sub-blocks is summed in integers (exact),
+``(256 * level_0 + level_1) * scale``, then in float32.
+
+Every token's arithmetic is the same sequence whatever the other tokens (tiles of 4, 2
+or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same
+bits: one kernel serves them all.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from kernels.quant.blocks import INLINE, JIT
+from kernels.quant.simd import (
+    F32,
+    HOST_ISA,
+    I8,
+    I16,
+    I32,
+    I64,
+    _fma,
+    _fn,
+    _literal,
+    _vec,
+    stream_ahead,
+)
+from kernels.quant.superblock import _load, _splat
+
+__all__ = [
+    "RECORD",
+    "TILE_ROWS",
+    "TOKEN_TILE",
+    "repack_parts",
+    "repack_q4_k",
+    "tile_rows",
+    "tile_sums",
+    "tiles_nbytes",
+    "tiles_supported",
+]
+
+TILE_ROWS = 16  # weight rows per tile: one int32 lane each of a 512-bit vector
+# tokens whose accumulators stay in registers: per token, two levels x two nibbles of
+# int32 sums (16 of the 32 vector registers at 4), its run's sum, its float accumulator
+TOKEN_TILE = 4
+Q4_K_BLOCK = 144  # bytes of a Q4_K super-block in the file
+# A tile's record per super-block: d[16] f16, dmin[16] f16, scales[8][16] u8,
+# mins[8][16] u8, then the codes: 64 bytes per (c, k), c < 4 the 64-element group, k < 8,
+# row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
+_D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
+RECORD = _QS + 32 * 64
+Q6_K_BLOCK = 210
+# Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
+# vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
+# vectors 4s, 4s + 1 in the low and high nibbles of the first, 4s + 2, 4s + 3 of the
+# second), and one of their high two bits (byte i of row r's dword: element i of vector
+# 4s + u at bits 2u, 2u + 1). 3,360 bytes as in the file, padded to 64-byte lines.
+_D6, _SC6, _QL6, _QH6 = 0, 32, 320, 320 + 2048
+RECORD6 = _QH6 + 1024
+# by kind code (kernels/quant/superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
+RECORDS = (RECORD, RECORD6)
+BLOCKS = (Q4_K_BLOCK, Q6_K_BLOCK)
+CODES = {"Q4_K": 0, "Q6_K": 1}
+
+
+def tiles_supported(kind_name: str) -> bool:
+    """Whether this CPU multiplies ``kind_name`` weights as tiles (AVX-512 VNNI; Q4_K,
+    Q6_K)."""
+    return HOST_ISA == "avx512vnni" and kind_name in CODES
+
+
+@numba.njit(**JIT)
+def _repack(src, n, row_bytes, dst, first, last):
+    """Q4_K rows (``n`` of ``row_bytes``, flat uint8 ``src``) into tiles ``first`` to
+    ``last`` (flat uint8 ``dst``: tiles of nblk records); rows past ``n`` left as they
+    are. Without the GIL: :func:`repack_parts` runs it on threads of its own (numba's
+    thread pool, started by a parallel function, costs 40 MB resident at once)."""
+    nblk = row_bytes // Q4_K_BLOCK
+    s32 = src.view(np.uint32)
+    d32 = dst.view(np.uint32)
+    d16 = dst.view(np.uint16)
+    s16 = src.view(np.uint16)
+    for t in range(first, last):
+        rows = min(TILE_ROWS, n - t * TILE_ROWS)
+        base = t * TILE_ROWS * row_bytes
+        for b in range(nblk):
+            rec = (t * nblk + b) * RECORD
+            blk0 = base + b * Q4_K_BLOCK
+            for r in range(rows):
+                blk = blk0 + r * row_bytes
+                d16[(rec + _D) // 2 + r] = s16[blk // 2]
+                d16[(rec + _DMIN) // 2 + r] = s16[blk // 2 + 1]
+                q = blk + 4
+                for j in range(4):
+                    lo, hi, top = src[q + j], src[q + j + 4], src[q + j + 8]
+                    dst[rec + _SC + TILE_ROWS * j + r] = lo & 63
+                    dst[rec + _MIN + TILE_ROWS * j + r] = hi & 63
+                    dst[rec + _SC + TILE_ROWS * (j + 4) + r] = (top & 0xF) | ((lo >> 6) << 4)
+                    dst[rec + _MIN + TILE_ROWS * (j + 4) + r] = (top >> 4) | ((hi >> 6) << 4)
+            # the code bytes four at a time, written in order (16 rows' dwords a line)
+            at = (rec + _QS) // 4
+            qs = (blk0 + 16) // 4
+            step = row_bytes // 4
+            for c in range(32):
+                for r in range(rows):
+                    d32[at + 16 * c + r] = s32[qs + r * step + c]
+
+
+@numba.njit(**JIT)
+def _repack6(src, n, row_bytes, dst, first, last):
+    """:func:`_repack` for Q6_K (:data:`RECORD6`)."""
+    nblk = row_bytes // Q6_K_BLOCK
+    d16 = dst.view(np.uint16)
+    s16 = src.view(np.uint16)
+    codes = np.zeros((TILE_ROWS, 256), np.uint8)
+    for t in range(first, last):
+        rows = min(TILE_ROWS, n - t * TILE_ROWS)
+        for b in range(nblk):
+            rec = (t * nblk + b) * RECORD6
+            for r in range(rows):
+                blk = (t * TILE_ROWS + r) * row_bytes + b * Q6_K_BLOCK
+                d16[(rec + _D6) // 2 + r] = s16[(blk + 208) // 2]
+                for sb in range(16):
+                    dst[rec + _SC6 + 16 * sb + r] = src[blk + 192 + sb]
+                for h in range(2):  # element 128 h + 64 t + l: nibble t of ql[64 h + l]
+                    for lo in range(64):
+                        q = src[blk + 64 * h + lo]
+                        codes[r, 128 * h + lo] = q & 15
+                        codes[r, 128 * h + 64 + lo] = q >> 4
+                    for lo in range(32):  # element 128 h + 32 j + l: bits 2j of qh[32 h + l]
+                        q = src[blk + 128 + 32 * h + lo]
+                        for j in range(4):
+                            codes[r, 128 * h + 32 * j + lo] |= ((q >> (2 * j)) & 3) << 4
+            # written in order: per sub-block, its two vectors of low nibbles, then highs
+            for sb in range(16):
+                at = rec + _QL6 + 128 * sb
+                for r in range(TILE_ROWS):
+                    for i in range(4):
+                        c = 16 * sb + i  # element i of vector 4 sb (+ 4 u)
+                        dst[at + 4 * r + i] = (codes[r, c] & 15) | ((codes[r, c + 4] & 15) << 4)
+                        dst[at + 64 + 4 * r + i] = (codes[r, c + 8] & 15) | (
+                            (codes[r, c + 12] & 15) << 4
+                        )
+                at = rec + _QH6 + 64 * sb
+                for r in range(TILE_ROWS):
+                    for i in range(4):
+                        c = 16 * sb + i
+                        dst[at + 4 * r + i] = (
+                            (codes[r, c] >> 4)
+                            | ((codes[r, c + 4] >> 4) << 2)
+                            | ((codes[r, c + 8] >> 4) << 4)
+                            | ((codes[r, c + 12] >> 4) << 6)
+                        )
+
+
+def _aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed uint8 array of ``shape``, page-aligned: anonymous memory of its own, its
+    pages faulted in by the threads that repack into it. (Through numpy's allocator,
+    which asks for huge pages, or with ``MADV_HUGEPAGE``: the kernel compacted memory
+    at each fault when the page cache held the file, 6.5 s for the 4.8 GB of the
+    Qwen2-7B shape's tiles; in plain pages, by two threads, about 1.)"""
+    size = max(1, int(np.prod(shape)))
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape)
+
+
+# bytes of a weight repacked between two calls of repack_parts' ``release``
+REPACK_CHUNK = 16 << 20
+# threads repacking one weight (from 4 MB each)
+_REPACK_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def tiles_nbytes(rows: int, k: int, kind_name: str = "Q4_K") -> int:
+    """Bytes of the tiles of a weight ``[rows, k]`` of ``kind_name``."""
+    return -(-rows // TILE_ROWS) * (k // 256) * RECORDS[CODES[kind_name]]
+
+
+def repack_parts(
+    parts: list[np.ndarray],
+    kind_name: str = "Q4_K",
+    release: Callable[[list[np.ndarray]], None] | None = None,
+) -> np.ndarray:
+    """Weights of ``kind_name`` (uint8 ``[N_i, row bytes]`` each, the same width) -> one
+    uint8 ``[tiles, nblk, record]`` array of their tiles in order (64-byte aligned), each
+    part from a new tile (a short last tile padded with zero rows). ``release``, if
+    given, is called with the rows of each :data:`REPACK_CHUNK` bytes once repacked (a
+    mapped file's pages can then leave the resident set: a large weight's file bytes
+    and its tiles are never resident together)."""
+    code = CODES[kind_name]
+    block, record = BLOCKS[code], RECORDS[code]
+    row_bytes = parts[0].shape[1]
+    if row_bytes % block or any(p.shape[1] != row_bytes for p in parts):
+        raise ValueError(
+            f"{kind_name} rows of {[p.shape for p in parts]} bytes: not whole super-blocks"
+        )
+    nblk = row_bytes // block
+    counts = [-(-p.shape[0] // TILE_ROWS) for p in parts]
+    out = _aligned((sum(counts), nblk, record))  # zeros: a short last tile's padding
+    repack = _repack if code == 0 else _repack6
+    step = max(1, REPACK_CHUNK // (TILE_ROWS * row_bytes))  # tiles a chunk
+    first = 0
+    for p, count in zip(parts, counts):
+        dst = out[first : first + count].reshape(-1)
+        src = np.ascontiguousarray(p).reshape(-1)
+        for t0 in range(0, count, step):
+            t1 = min(count, t0 + step)
+            threads = min(_REPACK_THREADS, max(1, (t1 - t0) * TILE_ROWS * row_bytes >> 22))
+            bounds = [t0 + (t1 - t0) * i // threads for i in range(threads + 1)]
+            args = [(src, p.shape[0], row_bytes, dst, a, b) for a, b in zip(bounds, bounds[1:])]
+            if threads == 1:
+                repack(*args[0])
+            else:
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(lambda a: repack(*a), args))
+            if release is not None:
+                release([p[t0 * TILE_ROWS : t1 * TILE_ROWS]])
+        if release is not None:
+            release([p])  # the pages across chunk ends
+        first += count
+    return out
+
+
+def repack_q4_k(data: np.ndarray) -> np.ndarray:
+    """uint8 ``[N, nblk * 144]`` Q4_K rows -> uint8 ``[ceil(N / 16), nblk, RECORD]``
+    tiles (:func:`repack_parts` of one part)."""
+    return repack_parts([data])
+
+
+class _Frame:
+    """What the tile kernels' code shares: their arguments (:func:`tile_dot`), each
+    token's rows, float accumulators and int32 dot products in registers."""
+
+    def __init__(self, builder, nt: int, args):
+        self.builder, self.nt = builder, nt
+        self.rec, self.nblk, x, x_tok, self.x_lvl, xd, xd_tok, bs, bs_tok, self.out = args[:10]
+        v16i = _vec(I32, 16)
+        self.dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i, [v16i, v16i, v16i])
+        self.acc, self.part = self.slots(V16), self.slots(V16)
+
+        def rows(at, step):
+            return [builder.add(at, builder.mul(step, I64(t))) for t in range(nt)]
+
+        self.x_row, self.xd_row, self.bs_row = rows(x, x_tok), rows(xd, xd_tok), rows(bs, bs_tok)
+
+    def slots(self, t: ir.Type) -> list:
+        """One register-promoted variable of type ``t`` per token, zeroed."""
+        return [
+            cgutils.alloca_once_value(self.builder, ir.Constant(t, None)) for _ in range(self.nt)
+        ]
+
+    def dot(self, dots: list, codes, blk, at):
+        """``dots[lvl][t] += vpdpbusd(codes, token t's 4 int8 of level lvl)``, from
+        element ``at`` of block ``blk``."""
+        b = self.builder
+        for lvl in range(2):
+            for t in range(self.nt):
+                x = b.add(b.add(self.x_row[t], b.mul(blk, I64(256))), at)
+                if lvl:
+                    x = b.add(x, self.x_lvl)
+                xv = _splat(b, _load(b, x, I32, 4), 16)
+                prev = b.load(dots[lvl][t])
+                b.store(b.call(self.dpbusd, [prev, codes, xv]), dots[lvl][t])
+
+    def scale(self, blk, t: int):
+        """Token ``t``'s second-level scale of block ``blk``, in every lane."""
+        b = self.builder
+        return _splat(b, _load(b, b.add(self.xd_row[t], b.mul(blk, I64(4))), F32, 4), 16)
+
+    def sum_at(self, t: int, offset):
+        """Token ``t``'s int32 sum ``offset`` bytes into its sums, in every lane."""
+        b = self.builder
+        return _splat(b, _load(b, b.add(self.bs_row[t], offset), I32, 4), 16)
+
+    def store_out(self):
+        b = self.builder
+        for t in range(self.nt):
+            dst = b.inttoptr(b.add(self.out, I64(64 * t)), ir.PointerType(V16))
+            b.store(b.load(self.acc[t]), dst, align=64)
+
+
+V16 = _vec(F32, 16)
+
+
+def _const(v: int):
+    return ir.Constant(_vec(I32, 16), [v] * 16)
+
+
+def _halves(builder, addr):
+    """16 IEEE halves at ``addr`` as float32."""
+    h = _load(builder, addr, _vec(I16, 16), 32)
+    return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), 16)), V16)
+
+
+def _bytes16(builder, addr, signed: bool = False):
+    """16 bytes at ``addr`` widened to int32."""
+    v = _load(builder, addr, _vec(I8, 16), 16)
+    return builder.sext(v, _vec(I32, 16)) if signed else builder.zext(v, _vec(I32, 16))
+
+
+def _q4_k_block(f: _Frame, blk, r_a):
+    """One Q4_K super-block of the tile at ``r_a`` into each token's accumulator."""
+    b, nt = f.builder, f.nt
+    # the lines STREAM_AHEAD bytes on, the header's here and the codes' as the loop
+    # reaches them (one token: the hardware's prefetcher keeps up, at less cost)
+    if nt > 1:
+        stream_ahead(b, r_a, _QS)
+    dots = [[f.slots(_vec(I32, 16)) for _ in range(2)] for _ in range(2)]  # [nibble][lvl][t]
+    with cgutils.for_range(b, I64(4)) as runs:  # runs of two sub-blocks: 2c, 2c + 1
+        c = runs.index
+        for h in range(2):
+            for lvl in range(2):
+                for t in range(nt):
+                    b.store(ir.Constant(_vec(I32, 16), None), dots[h][lvl][t])
+        with cgutils.for_range(b, I64(8)) as groups:
+            k = groups.index
+            q_at = b.add(r_a, b.add(I64(_QS), b.mul(b.add(b.mul(c, I64(8)), k), I64(64))))
+            if nt > 1:
+                stream_ahead(b, q_at, 64)
+            q = _load(b, q_at, _vec(I32, 16), 64)
+            low = _const(0x0F0F0F0F)
+            codes = (b.and_(q, low), b.and_(b.lshr(q, _const(4)), low))
+            e0 = b.add(b.mul(c, I64(64)), b.mul(k, I64(4)))  # nibble h: 64 c + 32 h + 4 k
+            for h, code in enumerate(codes):
+                f.dot(dots[h], code, blk, at=b.add(e0, I64(32 * h)))
+        sc_at = b.add(r_a, b.add(I64(_SC), b.mul(c, I64(32))))
+        sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
+        first = b.icmp_unsigned("==", c, I64(0))
+        for t in range(nt):
+            run = None
+            for h in range(2):
+                lv0 = b.shl(b.load(dots[h][0][t]), _const(8))
+                s = b.mul(b.add(lv0, b.load(dots[h][1][t])), sc[h])
+                run = s if run is None else b.add(run, s)
+            fl = b.sitofp(run, V16)
+            b.store(b.select(first, fl, b.fadd(b.load(f.part[t]), fl)), f.part[t])
+    d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
+    mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
+    for t in range(nt):
+        xd_v = f.scale(blk, t)
+        a = _fma(b, b.load(f.part[t]), b.fmul(d, xd_v), b.load(f.acc[t]))
+        sums = b.mul(blk, I64(32))
+        imin = None
+        for s in range(8):
+            m = b.mul(mins[s], f.sum_at(t, b.add(sums, I64(4 * s))))
+            imin = m if imin is None else b.add(imin, m)
+        fm = b.fneg(b.fmul(dmin, xd_v))
+        b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
+
+
+def _q6_k_block(f: _Frame, blk, r_a):
+    """One Q6_K super-block of the tile at ``r_a`` into each token's accumulator."""
+    b, nt = f.builder, f.nt
+    # the lines STREAM_AHEAD bytes on, asked for as the loop reaches them: the header's
+    # here, each sub-block's codes in its turn (53 prefetches at once stalled the loads:
+    # 27 against 15 ns per two rows and blocks, one token)
+    stream_ahead(b, r_a, _QL6)
+    dots = [f.slots(_vec(I32, 16)) for _ in range(2)]  # [lvl][t]
+    for t in range(nt):
+        b.store(ir.Constant(V16, None), f.part[t])
+    with cgutils.for_range(b, I64(16)) as subs:
+        sb = subs.index
+        ql = b.add(r_a, b.add(I64(_QL6), b.mul(sb, I64(128))))
+        qh_at = b.add(r_a, b.add(I64(_QH6), b.mul(sb, I64(64))))
+        stream_ahead(b, ql, 128)
+        stream_ahead(b, qh_at, 64)
+        lo = _load(b, ql, _vec(I32, 16), 64)
+        hi = _load(b, b.add(ql, I64(64)), _vec(I32, 16), 64)
+        qh = _load(b, qh_at, _vec(I32, 16), 64)
+        low, top = _const(0x0F0F0F0F), _const(0x30303030)
+        lshr, shl, and_, or_ = b.lshr, b.shl, b.and_, b.or_
+        codes = (  # the vectors 4 sb + u: low nibbles, and two bits of qh at 2u
+            or_(and_(lo, low), and_(shl(qh, _const(4)), top)),
+            or_(and_(lshr(lo, _const(4)), low), and_(shl(qh, _const(2)), top)),
+            or_(and_(hi, low), and_(qh, top)),
+            or_(and_(lshr(hi, _const(4)), low), and_(lshr(qh, _const(2)), top)),
+        )
+        for lvl in range(2):
+            for t in range(nt):
+                b.store(ir.Constant(_vec(I32, 16), None), dots[lvl][t])
+        e0 = b.mul(sb, I64(16))
+        for u, code in enumerate(codes):
+            f.dot(dots, code, blk, at=b.add(e0, I64(4 * u)))
+        scf = b.sitofp(
+            _load(b, b.add(r_a, b.add(I64(_SC6), b.mul(sb, I64(16)))), _vec(I8, 16), 16), V16
+        )
+        for t in range(nt):
+            v = b.add(b.shl(b.load(dots[0][t]), _const(8)), b.load(dots[1][t]))
+            v = b.sub(v, f.sum_at(t, b.add(b.mul(blk, I64(64)), b.mul(sb, I64(4)))))
+            b.store(_fma(b, b.sitofp(v, V16), scf, b.load(f.part[t])), f.part[t])
+    d = _halves(b, b.add(r_a, I64(_D6)))
+    for t in range(nt):
+        a = _fma(b, b.load(f.part[t]), b.fmul(d, f.scale(blk, t)), b.load(f.acc[t]))
+        b.store(a, f.acc[t])
+
+
+def _tile_kernel(ntok, record: int, block):
+    """The signature and code of a tile kernel: ``block(frame, blk, record address)``
+    for every super-block, then each token's 16 results stored."""
+    nt = _literal(ntok, tuple(range(1, TOKEN_TILE + 1)))
+    if nt is None:
+        return None
+    u, i = types.uintp, types.intp
+    sig = types.void(u, i, u, i, i, u, i, u, i, u, ntok)
+
+    def codegen(context, builder, signature, args):
+        f = _Frame(builder, nt, args)
+        with cgutils.for_range(builder, f.nblk) as loop:
+            blk = loop.index
+            block(f, blk, builder.add(f.rec, builder.mul(blk, I64(record))))
+        f.store_out()
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, ntok):
+    """``out`` (float32 ``[ntok, 16]``, 64-byte aligned) = one tile's 16 rows (``nblk``
+    records at ``rec``, :func:`repack_q4_k`) dotted with ``ntok`` tokens' two levels of
+    int8 activations in super-blocks (natural order): token ``t``'s first level at
+    ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
+    block at ``xd + t * xd_tok`` (the first's / 256), its paired sums per 32
+    (``256 * s_0 + s_1``, int32) at ``bs + t * bs_tok``. ``ntok`` (1 to
+    :data:`TOKEN_TILE`) is compile-time.
+
+    Per block, token and run ``c`` of two sub-blocks, in integers (exact; per lane and
+    sub-block ``|256 s_0 + s_1| <= 32 * 15 * 32,640``, times a scale below 64, two of
+    them below 2^31): ``R = sum_{s in 2c, 2c+1} (256 * dot_0[s] + dot_1[s]) * sc[s]``;
+    then ``part = float(R_0) + float(R_1) + float(R_2) + float(R_3)`` in that order,
+    ``acc = fma(part, d * xd, acc)``, and the offsets
+    ``acc = fma(float(sum_s min[s] * bs[s]), -(dmin * xd), acc)`` (an exact integer,
+    ``8 * 63 * 32 * 32,640 < 2^31``): the same operations for a token whatever the
+    others."""
+    return _tile_kernel(ntok, RECORD, _q4_k_block)
+
+
+@intrinsic
+def tile_dot6(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, ntok):
+    """:func:`tile_dot` for Q6_K tiles (:data:`RECORD6`): ``bs`` the token's paired sums
+    per 16 times the codes' zero point, ``32 * (256 * s_0 + s_1)`` (int32).
+
+    Per block, token and sub-block ``s``, in integers (exact): ``v = 256 * dot_0 +
+    dot_1 - bs[s]`` (the codes less 32 times both levels: ``|v| <= 16 * 32 * 32,640 <
+    2^24``, so exact in float32 too), then ``part = fma(float(v), float(sc[s]), part)``
+    over the 16 sub-blocks in order from zero, and ``acc = fma(part, d * xd, acc)``."""
+    return _tile_kernel(ntok, RECORD6, _q6_k_block)
+
+
+@numba.njit(**INLINE)
+def _tile_dot(kind, rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, nt):
+    """:func:`tile_dot` (``kind`` 0: Q4_K) or :func:`tile_dot6` (1: Q6_K) over ``nt``
+    tokens (4, 2 or 1), the literal picked at run time."""
+    if kind == 0:
+        if nt == 4:
+            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 4)
+        elif nt == 2:
+            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 2)
+        else:
+            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 1)
+    elif nt == 4:
+        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 4)
+    elif nt == 2:
+        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 2)
+    else:
+        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 1)
+
+
+@numba.njit(**JIT, parallel=True)
+def tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
+    """``out[t, n]`` (float32, ``n < n_rows``; a view into a wider output is fine) =
+    row ``n`` of ``tiles`` (:func:`repack_parts`; ``kind`` 0 Q4_K, 1 Q6_K) dotted with
+    token ``t``'s two levels of super-block activations
+    (:func:`~kernels.quant.activations.quantize_super_blocks` with ``levels=2``: ``q``
+    int8 ``[2T, K]``, token ``t``'s second level row ``T + t``; ``xd`` their scales;
+    ``sums`` int32, :func:`tile_sums`), tiles split in ``tasks`` ranges over numba's
+    threads."""
+    tokens = out.shape[0]
+    n_tiles, nblk = tiles.shape[0], tiles.shape[1]
+    tasks = max(1, min(n_tiles, tasks))
+    per = (n_tiles + tasks - 1) // tasks
+    xs, ds, bss = q.strides[0], xd.strides[0], sums.strides[0]
+    x_at, xd_at, bs_at = q.ctypes.data, xd.ctypes.data, sums.ctypes.data
+    xl = tokens * xs  # the second level's rows follow the first's
+    for task in numba.prange(tasks):
+        raw = np.empty(64 * TOKEN_TILE + 64, np.uint8)
+        tmp_at = (raw.ctypes.data + 63) & ~63
+        tmp = raw[tmp_at - raw.ctypes.data : tmp_at - raw.ctypes.data + 64 * TOKEN_TILE].view(
+            np.float32
+        )
+        for tile in range(task * per, min((task + 1) * per, n_tiles)):
+            n0 = tile * TILE_ROWS
+            valid = min(TILE_ROWS, n_rows - n0)
+            rec_at = tiles[tile].ctypes.data
+            j = 0
+            while j < tokens:
+                nt = min(TOKEN_TILE, tokens - j)
+                if nt == 3:
+                    nt = 2
+                _tile_dot(
+                    kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds, ds,
+                    bs_at + j * bss, bss, tmp_at, nt,
+                )  # fmt: skip
+                for t in range(nt):
+                    for r in range(valid):
+                        out[j + t, n0 + r] = tmp[16 * t + r]
+                j += nt
+
+
+def tile_sums(kind_name: str, act) -> np.ndarray:
+    """The per-token integer sums :func:`tile_rows` takes from two-level super-block
+    activations: Q4_K's paired sums per 32 (times the mins in the kernel), Q6_K's per
+    16 times the codes' zero point 32."""
+    return act.pair32 if kind_name == "Q4_K" else act.pair16 * np.int32(32)

@@ -1,0 +1,177 @@
+"""Q4_K tiles (kernels/quant/tiles.py): repacked at load, one kernel at every batch size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kernels.quant.activations import quantize_super_blocks
+from kernels.quant.bench import random_blocks
+from kernels.quant.linear import BlockLinear, prompt_rows
+from kernels.quant.reference import reference_dequantize
+from kernels.quant.tiles import (
+    CODES,
+    RECORDS,
+    TILE_ROWS,
+    repack_parts,
+    tile_rows,
+    tile_sums,
+    tiles_supported,
+)
+from kernels.quant.weight import QuantWeight
+
+K = 768
+
+pytestmark = pytest.mark.skipif(
+    not tiles_supported("Q4_K"), reason="this CPU has no AVX-512 VNNI: k-quants stay in file blocks"
+)
+KINDS = [Q.Q4_K, Q.Q6_K]
+
+
+def _exact(act, tokens: int) -> np.ndarray:
+    """float64 ``[T, K]``: the two levels' values the kernel multiplies, summed."""
+    v = act.dequantize().astype(np.float64)
+    return v[:tokens] + v[tokens:]
+
+
+def _product(tiles, n, x, qtype=Q.Q4_K):
+    act = quantize_super_blocks(x, levels=2)
+    out = np.full((len(x), n), np.nan, np.float32)
+    sums = tile_sums(qtype.name, act)
+    tile_rows(CODES[qtype.name], tiles, n, act.q, act.d, sums, out, 2)
+    return out, act
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_tiles_equal_the_dequantized_product(qtype, tokens):
+    """37 rows (a short last tile) against the gguf dequantizer times the activations'
+    exact values: float32 rounding only."""
+    rng = np.random.default_rng(tokens)
+    raw = random_blocks(qtype, 37, K, rng)
+    tiles = repack_parts([raw], qtype.name)
+    record = RECORDS[CODES[qtype.name]]
+    assert tiles.shape == (3, K // 256, record) and tiles.ctypes.data % 64 == 0
+    x = rng.standard_normal((tokens, K)).astype(np.float32)
+    out, act = _product(tiles, 37, x, qtype)
+    w = reference_dequantize(raw, qtype, (37, K)).astype(np.float64)
+    ref = _exact(act, tokens) @ w.T
+    scale = np.abs(_exact(act, tokens)) @ np.abs(w).T
+    assert np.abs(out - ref).max() / scale.max() < 1e-6
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+def test_extreme_codes_scales_and_activations_do_not_wrap(qtype):
+    """Q4_K: every code 15, every scale and min 63; Q6_K: every code 0 (-32 from its zero
+    point), every scale -128; activations at the int8 extremes: the integer sums stay
+    exact (a wrap would be off by 2^32 times a scale)."""
+    raw = random_blocks(qtype, 16, K, np.random.default_rng(0))
+    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:
+        blocks = raw.reshape(16, -1, 144)
+        blocks[:, :, 0:2] = half
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
+        blocks[:, :, 4:] = 0xFF
+    else:
+        blocks = raw.reshape(16, -1, 210)
+        blocks[:, :, :192] = 0
+        blocks[:, :, 192:208] = 0x80
+        blocks[:, :, 208:210] = half
+    tiles = repack_parts([raw], qtype.name)
+    x = np.full((2, K), 3.0, np.float32)
+    x[1, ::2] = -3.0
+    out, act = _product(tiles, 16, x, qtype)
+    w = reference_dequantize(raw, qtype, (16, K)).astype(np.float64)
+    ref = _exact(act, 2) @ w.T
+    assert np.allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+def test_a_rows_result_does_not_depend_on_the_batch(qtype):
+    """Each token alone, in tiles of 4 / 2 / 1 within any batch, the same bits."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(qtype, 48, K, rng)
+    tiles = repack_parts([raw], qtype.name)
+    x = rng.standard_normal((11, K)).astype(np.float32)
+    full, _ = _product(tiles, 48, x, qtype)
+    for t in range(len(x)):
+        alone, _ = _product(tiles, 48, x[t : t + 1], qtype)
+        assert np.array_equal(alone[0], full[t])
+    part, _ = _product(tiles, 48, x[3:10], qtype)
+    assert np.array_equal(part, full[3:10])
+
+
+def test_fused_parts_each_start_a_tile():
+    """Parts repacked together give each part's columns as it gives alone."""
+    rng = np.random.default_rng(6)
+    raws = [random_blocks(Q.Q4_K, n, K, rng) for n in (32, 16, 21)]
+    fused = repack_parts(raws)
+    assert fused.shape[0] == 2 + 1 + 2
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    out, _ = _product(fused, fused.shape[0] * TILE_ROWS, x)
+    first = 0
+    for raw in raws:
+        alone, _ = _product(repack_parts([raw]), raw.shape[0], x)
+        assert np.array_equal(out[:, first : first + raw.shape[0]], alone)
+        first += -(-raw.shape[0] // TILE_ROWS) * TILE_ROWS
+
+
+def test_block_linear_takes_q4_k_as_tiles_for_prompts_and_decode_steps():
+    """A fused q/k/v of Q4_K, Q4_K, Q6_K: each run as tiles, resident as tiles (the
+    file's bytes not counted), and a prompt's rows equal to decoding each alone."""
+    rng = np.random.default_rng(7)
+    raws = [random_blocks(q, n, K, rng) for q, n in ((Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32))]
+    parts = [
+        QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, (Q.Q4_K, Q.Q4_K, Q.Q6_K))
+    ]
+    lin = BlockLinear(parts)
+    tiled = [g for g in lin._groups if g.tiles is not None]
+    assert [len(g.parts) for g in tiled] == [2, 1] and lin.repacked() == parts
+    assert lin.nbytes() == tiled[0].tiles.nbytes + tiled[1].tiles.nbytes
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(8))
+    with prompt_rows(True):
+        prompt = lin(x)
+    with prompt_rows(False):
+        one = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+        batch = lin(x)
+    assert torch.equal(prompt, one) and torch.equal(batch, one)
+    w = np.concatenate([reference_dequantize(r, Q.Q4_K, (r.shape[0], K)) for r in raws[:2]])
+    ref = x.double().numpy() @ w.T.astype(np.float64)
+    scale = np.abs(x.double().numpy()) @ np.abs(w.T.astype(np.float64))
+    assert (np.abs(prompt[:, :96].numpy() - ref) / scale.max()).max() < 1e-4
+
+
+def _mapped_pages(a: np.ndarray) -> int:
+    """Pages of ``a`` mapped into this process now (/proc/self/pagemap's present bit)."""
+    first, last = a.ctypes.data // 4096, (a.ctypes.data + a.nbytes - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+def test_a_loaded_models_repacked_file_bytes_leave_the_resident_set(tmp_path):
+    """A Q4_K_M model: its Q4_K / Q6_K projections held as tiles, their file pages
+    (read once to repack) unmapped and left out of the prefault, while the weights read
+    in place (the embedding's rows) stay mapped by it."""
+    import threading
+
+    from engine.model.loader import load_model
+    from tests.engine.test_forward_tiny import FILE_MIXES
+    from tests.engine.tiny_models import make_hf_model, write_gguf
+
+    model = make_hf_model("llama", seed=4, tie_word_embeddings=False, hidden_size=256)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=2)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    for t in threading.enumerate():
+        if t.name == "folio-prefault":
+            t.join(timeout=60)
+    layer = loaded.model.layers[0]
+    repacked = [p for lin in (layer.qkv, layer.gate_up, layer.down) for p in lin.repacked()]
+    assert repacked and all(p.nbytes >= 3 * 4096 for p in repacked)
+    # whole pages inside each part unmapped (a part's first and last may share a page)
+    assert all(_mapped_pages(p.data) <= 2 for p in repacked)
+    embedding = loaded.model.embedding.weight.data
+    assert _mapped_pages(embedding) >= embedding.nbytes // 4096 - 2
