@@ -140,45 +140,37 @@ def _repack6(src, n, row_bytes, dst, first, last):
     nblk = row_bytes // Q6_K_BLOCK
     d16 = dst.view(np.uint16)
     s16 = src.view(np.uint16)
-    codes = np.zeros((TILE_ROWS, 256), np.uint8)
+    block = np.zeros(212, np.uint8)  # one row's block, 4-byte aligned (210 is not)
+    q32 = block.view(np.uint32)  # ql: words 0-31, qh: 32-47
+    d32 = dst.view(np.uint32)
+    nib, two = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
     for t in range(first, last):
         rows = min(TILE_ROWS, n - t * TILE_ROWS)
         for b in range(nblk):
             rec = (t * nblk + b) * RECORD6
             for r in range(rows):
                 blk = (t * TILE_ROWS + r) * row_bytes + b * Q6_K_BLOCK
+                block[:Q6_K_BLOCK] = src[blk : blk + Q6_K_BLOCK]
                 d16[(rec + _D6) // 2 + r] = s16[(blk + 208) // 2]
                 for sb in range(16):
-                    dst[rec + _SC6 + 16 * sb + r] = src[blk + 192 + sb]
-                for h in range(2):  # element 128 h + 64 t + l: nibble t of ql[64 h + l]
-                    for lo in range(64):
-                        q = src[blk + 64 * h + lo]
-                        codes[r, 128 * h + lo] = q & 15
-                        codes[r, 128 * h + 64 + lo] = q >> 4
-                    for lo in range(32):  # element 128 h + 32 j + l: bits 2j of qh[32 h + l]
-                        q = src[blk + 128 + 32 * h + lo]
-                        for j in range(4):
-                            codes[r, 128 * h + 32 * j + lo] |= ((q >> (2 * j)) & 3) << 4
-            # written in order: per sub-block, its two vectors of low nibbles, then highs
-            for sb in range(16):
-                at = rec + _QL6 + 128 * sb
-                for r in range(TILE_ROWS):
-                    for i in range(4):
-                        c = 16 * sb + i  # element i of vector 4 sb (+ 4 u)
-                        dst[at + 4 * r + i] = (codes[r, c] & 15) | ((codes[r, c + 4] & 15) << 4)
-                        dst[at + 64 + 4 * r + i] = (codes[r, c + 8] & 15) | (
-                            (codes[r, c + 12] & 15) << 4
-                        )
-                at = rec + _QH6 + 64 * sb
-                for r in range(TILE_ROWS):
-                    for i in range(4):
-                        c = 16 * sb + i
-                        dst[at + 4 * r + i] = (
-                            (codes[r, c] >> 4)
-                            | ((codes[r, c + 4] >> 4) << 2)
-                            | ((codes[r, c + 8] >> 4) << 4)
-                            | ((codes[r, c + 12] >> 4) << 6)
-                        )
+                    dst[rec + _SC6 + 16 * sb + r] = block[192 + sb]
+                    # vector 4 sb + u (elements 16 sb + 4 u + i) of half h: the low nibbles
+                    # of ql word 16 h + 4 (sb % 4) + u shifted by 4 ((sb % 8) // 4), the
+                    # two high bits of qh word 8 h + 4 (sb % 2) + u by 2 ((sb % 8) // 2)
+                    h, s8 = sb // 8, sb % 8
+                    lo_w, lo_s = 16 * h + 4 * (sb % 4), np.uint32(4 * (s8 // 4))
+                    hi_w, hi_s = 32 + 8 * h + 4 * (sb % 2), np.uint32(2 * (s8 // 2))
+                    low0 = (q32[lo_w] >> lo_s) & nib
+                    low1 = (q32[lo_w + 1] >> lo_s) & nib
+                    low2 = (q32[lo_w + 2] >> lo_s) & nib
+                    low3 = (q32[lo_w + 3] >> lo_s) & nib
+                    at = (rec + _QL6 + 128 * sb) // 4 + r
+                    d32[at] = low0 | (low1 << np.uint32(4))
+                    d32[at + 16] = low2 | (low3 << np.uint32(4))
+                    high = (q32[hi_w] >> hi_s) & two
+                    for u in range(1, 4):
+                        high |= ((q32[hi_w + u] >> hi_s) & two) << np.uint32(2 * u)
+                    d32[(rec + _QH6 + 64 * sb) // 4 + r] = high
 
 
 def _aligned(shape: tuple[int, ...]) -> np.ndarray:
