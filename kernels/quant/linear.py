@@ -6,8 +6,11 @@ file: one or several parts fused along the output dimension (q/k/v, gate/up), ea
 Q6_K within a layer). The input is quantized to int8 once for all parts.
 :class:`BlockEmbedding` dequantizes the rows a step looks up, never the table.
 
-Which kernel runs depends on the number of rows and on whether they are a prompt's or
-a decode step's (:func:`prompt_rows`; never on what else is in the batch): a decode step
+On AVX-512 VNNI the Q4_K / Q6_K parts are repacked at construction into tiles of 16 rows
+(:mod:`kernels.quant.tiles`; all parts of a run but the last whole tiles), which one
+kernel multiplies at every row count, a row's result the same in any batch or prompt.
+For the others, which kernel runs depends on the number of rows and on whether they are
+a prompt's or a decode step's (:func:`prompt_rows`; never on what else is in the batch): a decode step
 always, and outside a forward up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows
 (a prompt's forward below :data:`LANE_MIN_ROWS`), the integer decode
 kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
@@ -300,7 +303,7 @@ class BlockLinear(PartsLinear):
         # as decoding it alone would, and sooner than from float32 tiles (where the
         # dequantized tile costs more than the integer dots it replaces; not so for the
         # per-32 types, whose decode kernels unpack into a buffer)
-        # Q4_K tiles (kernels/quant/tiles.py): the same bits at any row count
+        # Q4_K / Q6_K tiles (kernels/quant/tiles.py): the same bits at any row count
         tiled = [g for g in self._groups if g.tiles is not None]
         chunked = [g for g in self._groups if _super_blocks(g) and g.tiles is None]
         # a prompt's rows, where the CPU has it: the prompt kernel with weight rows in
@@ -375,8 +378,8 @@ class BlockLinear(PartsLinear):
                 cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
                 continue
             if group.tiles is not None:
-                if not isinstance(act, Q8KActivations):  # made per 32 for other parts
-                    act_k = act_k or quantize_super_blocks(x, levels=2)
+                if not isinstance(act, Q8KActivations) and act_k is None:
+                    act_k = quantize_super_blocks(x, levels=2)  # act: per 32, for others
                 _tiles(group, act if isinstance(act, Q8KActivations) else act_k, cols)
                 continue
             kind = group.parts[0].kind
@@ -397,7 +400,7 @@ class _Group:
     columns: int
     row_bytes: int = 0
     table: np.ndarray | None = None
-    # Q4_K on AVX-512 VNNI: the parts repacked into tiles of 16 rows
+    # Q4_K / Q6_K on AVX-512 VNNI: the parts repacked into tiles of 16 rows
     # (kernels/quant/tiles.py), which every row count then multiplies
     tiles: np.ndarray | None = None
 

@@ -1,5 +1,5 @@
-"""Q4_K weights repacked at load into tiles of 16 rows, and the one kernel that multiplies
-them at every batch size (AVX-512 VNNI).
+"""Q4_K and Q6_K weights repacked at load into tiles of 16 rows, and the one kernel per
+type that multiplies them at every batch size (AVX-512 VNNI).
 
 Why: :func:`~kernels.quant.superblock.kblock_pass` decodes one token at 36 cycles a row
 and super-block on a Zen 4 core (two int8 levels of activations, each a ``vpmaddubsw``
@@ -10,7 +10,7 @@ multiply-add, but transposes 16 rows' unpacked blocks on every call, which pays 
 over many tokens (at 16 tokens it is no faster than the decode kernel), and its bits
 are not the decode kernel's, so a decode step cannot take it.
 
-Here the transposition is done once, at load (:func:`repack_q4_k`): a tile holds 16
+Here the transposition is done once, at load (:func:`repack_parts`): a tile holds 16
 rows' super-block ``b`` as one record of :data:`RECORD` bytes, the rows' code bytes
 interleaved four at a time, so that one 64-byte load is 16 rows x 8 codes (their low
 nibbles 4 elements of one sub-block, their high nibbles 4 of the next), the sub-block
@@ -18,7 +18,12 @@ scales and mins decoded to bytes (64 bytes more than the file's 2,304: +2.8%). T
 load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of them with
 the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
 instruction, no shuffle. Each run of two sub-blocks is summed in integers (exact),
-``(256 * level_0 + level_1) * scale``, then in float32.
+``(256 * level_0 + level_1) * scale``, then in float32. Q6_K's records (:data:`RECORD6`)
+hold per sub-block two vectors of low nibbles and one of the two high bits: per 16
+elements three loads and a few masks give four code vectors, its zero point (32) taken
+off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
+multiply-adds a second at 1 / 4 / 16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode
+kernel 25 / 36 / 54, the lane kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43).
 
 Every token's arithmetic is the same sequence whatever the other tokens (tiles of 4, 2
 or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same
@@ -60,7 +65,6 @@ __all__ = [
     "TILE_ROWS",
     "TOKEN_TILE",
     "repack_parts",
-    "repack_q4_k",
     "tile_rows",
     "tile_sums",
     "tiles_nbytes",
@@ -180,7 +184,10 @@ def _aligned(shape: tuple[int, ...]) -> np.ndarray:
     at each fault when the page cache held the file, 6.5 s for the 4.8 GB of the
     Qwen2-7B shape's tiles; in plain pages, by two threads, about 1.)"""
     size = max(1, int(np.prod(shape)))
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MAP_ANONYMOUS"):
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: anonymous memory backed by the paging file, zeroed too
+        buf = mmap.mmap(-1, size)
     return np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape)
 
 
@@ -238,12 +245,6 @@ def repack_parts(
             release([p])  # the pages across chunk ends
         first += count
     return out
-
-
-def repack_q4_k(data: np.ndarray) -> np.ndarray:
-    """uint8 ``[N, nblk * 144]`` Q4_K rows -> uint8 ``[ceil(N / 16), nblk, RECORD]``
-    tiles (:func:`repack_parts` of one part)."""
-    return repack_parts([data])
 
 
 class _Frame:
@@ -436,7 +437,7 @@ def _tile_kernel(ntok, record: int, block):
 @intrinsic
 def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, ntok):
     """``out`` (float32 ``[ntok, 16]``, 64-byte aligned) = one tile's 16 rows (``nblk``
-    records at ``rec``, :func:`repack_q4_k`) dotted with ``ntok`` tokens' two levels of
+    records at ``rec``, :func:`repack_parts`) dotted with ``ntok`` tokens' two levels of
     int8 activations in super-blocks (natural order): token ``t``'s first level at
     ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
     block at ``xd + t * xd_tok`` (the first's / 256), its paired sums per 32
