@@ -166,7 +166,7 @@ def load_model(
         report(0.95, "tokenizer")
         if isinstance(tokenizer, ModelLoadError):
             raise tokenizer
-        loaded.tokenizer = tokenizer or _load_tokenizer(loaded)
+        loaded.tokenizer = tokenizer or _tokenizer(loaded.path, loaded.format)
     allocator.release_free_memory()  # what parsing the header and the tokenizer left
     loaded.load_seconds = time.perf_counter() - start
     report(1.0, "ready")
@@ -181,27 +181,25 @@ def _looks_like_gguf(path: Path) -> bool:
 def _early_tokenizer(path: Path):
     """The GGUF file's tokenizer, or the error loading it gave (raised later), its
     transient memory handed back to the system."""
-    from engine.model.tokenizer import Tokenizer, TokenizerError
-
     try:
-        return Tokenizer.from_gguf(path)
-    except TokenizerError as exc:
-        return ModelLoadError(_naming(path, str(exc)))
+        return _tokenizer(path, "gguf")
+    except ModelLoadError as exc:
+        return exc
     except Exception:  # a damaged header: the weights' loading names the problem
         return None
     finally:
         allocator.release_free_memory()
 
 
-def _load_tokenizer(loaded: LoadedModel):
+def _tokenizer(path: Path, fmt: str):
     from engine.model.tokenizer import Tokenizer, TokenizerError
 
     try:
-        if loaded.format == "gguf":
-            return Tokenizer.from_gguf(loaded.path)
-        return Tokenizer.from_folder(loaded.path)
+        if fmt == "gguf":
+            return Tokenizer.from_gguf(path)
+        return Tokenizer.from_folder(path)
     except TokenizerError as exc:
-        raise ModelLoadError(_naming(loaded.path, str(exc))) from exc
+        raise ModelLoadError(_naming(path, str(exc))) from exc
 
 
 def _naming(path: Path, message: str) -> str:
@@ -293,9 +291,15 @@ def _load_gguf(
         perm = torch.cat(perms)
         if bool((perm == torch.arange(offset)).all()):
             perm = None
-        # parts repacked into tiles: their file pages, read once to repack, leave the
-        # resident set as they are done
-        return BlockLinear(parts, fused_bias, perm, release=gf.release)
+        return tiled(BlockLinear(parts, fused_bias, perm, release=gf.release))
+
+    repacked: list[np.ndarray] = []  # the file bytes of parts repacked into tiles
+
+    def tiled(lin: BlockLinear) -> BlockLinear:
+        """``lin``, whose parts repacked into tiles (their file pages, read once to
+        repack, left the resident set as they were done: ``release``) are recorded."""
+        repacked.extend(p.data for p in lin.repacked())
+        return lin
 
     def linear(*names: str, heads: tuple[int | None, ...] = ()) -> Linear | Concat | BlockLinear:
         """One projection, or several fused along the output dim (q/k/v, gate/up)."""
@@ -332,11 +336,10 @@ def _load_gguf(
         lm_head = (
             linear("output")
             if "output.weight" in gf.tensors
-            else BlockLinear([embedding.weight], release=gf.release)
+            else tiled(BlockLinear([embedding.weight], release=gf.release))
         )
         # the weights are read in place: their pages mapped on a thread, not by the first
-        # token (GGUFFile.prefault), except those repacked into tiles (released)
-        repacked = _repacked_bytes(layers, lm_head)
+        # token (GGUFFile.prefault), except those repacked into tiles
         threading.Thread(
             target=gf.prefault, kwargs={"skip": tuple(repacked)}, name="folio-prefault", daemon=True
         ).start()
@@ -367,14 +370,6 @@ def _kernels(weight_mode: str) -> str:
     from kernels.quant.tiles import tiles_supported
 
     return ":tiles1" if tiles_supported("Q4_K") else ""
-
-
-def _repacked_bytes(layers, lm_head) -> list[np.ndarray]:
-    """The file bytes of every weight a :class:`BlockLinear` repacked into tiles."""
-    lins = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return [
-        p.data for lin in [*lins, lm_head] if isinstance(lin, BlockLinear) for p in lin.repacked()
-    ]
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

@@ -54,8 +54,8 @@ from kernels.quant.matmul import (
     prompt_kernel_args,
 )
 from kernels.quant.registry import ActivationFormat
+from kernels.quant.superblock import KBLOCK_CODES
 from kernels.quant.tiles import (
-    CODES,
     TILE_ROWS,
     repack_parts,
     tile_rows,
@@ -378,9 +378,13 @@ class BlockLinear(PartsLinear):
                 cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
                 continue
             if group.tiles is not None:
-                if not isinstance(act, Q8KActivations) and act_k is None:
-                    act_k = quantize_super_blocks(x, levels=2)  # act: per 32, for others
-                _tiles(group, act if isinstance(act, Q8KActivations) else act_k, cols)
+                if act_k is None:  # ``act`` itself, unless made per 32 for other parts
+                    act_k = (
+                        act
+                        if isinstance(act, Q8KActivations)
+                        else quantize_super_blocks(x, levels=2)
+                    )
+                _tiles(group, act_k, cols)
                 continue
             kind = group.parts[0].kind
             levels, *args = parts_kernel_args(kind, act, rows)
@@ -415,7 +419,9 @@ def _tiles(group: _Group, act: Q8KActivations, cols: np.ndarray) -> None:
     """``cols`` = the tiled group's product with two levels of super-block activations."""
     name = group.parts[0].kind.name
     sums = tile_sums(name, act)
-    tile_rows(CODES[name], group.tiles, group.columns, act.q, act.d, sums, cols, decode_tasks())
+    tile_rows(
+        KBLOCK_CODES[name], group.tiles, group.columns, act.q, act.d, sums, cols, decode_tasks()
+    )
 
 
 def _super_blocks(group: _Group) -> bool:

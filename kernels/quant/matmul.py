@@ -231,7 +231,8 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     ``qtypes``: a few seconds per type the first time on a 2-core machine, then a fraction
     of a second from the cache."""
     from kernels.quant.registry import quant_type
-    from kernels.quant.tiles import CODES, repack_parts, tile_rows, tile_sums, tiles_supported
+    from kernels.quant.superblock import KBLOCK_CODES
+    from kernels.quant.tiles import repack_parts, tile_rows, tile_sums, tiles_supported
 
     for qtype in qtypes:
         kind = quant_type(qtype)
@@ -269,7 +270,7 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
             act = quantize_super_blocks(np.zeros((2, k), np.float32), levels=2)
             for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):
                 tile_rows(
-                    CODES[kind.name], tiles, 1, act.q, act.d, tile_sums(kind.name, act), out,
+                    KBLOCK_CODES[kind.name], tiles, 1, act.q, act.d, tile_sums(kind.name, act), out,
                     decode_tasks(),
                 )  # fmt: skip
         dequantize_weight(w, dtype=torch.bfloat16)

@@ -32,6 +32,7 @@ bits: one kernel serves them all.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from collections.abc import Callable
@@ -58,7 +59,7 @@ from kernels.quant.simd import (
     _vec,
     stream_ahead,
 )
-from kernels.quant.superblock import _load, _splat
+from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load, _splat
 
 __all__ = [
     "RECORD",
@@ -75,13 +76,13 @@ TILE_ROWS = 16  # weight rows per tile: one int32 lane each of a 512-bit vector
 # tokens whose accumulators stay in registers: per token, two levels x two nibbles of
 # int32 sums (16 of the 32 vector registers at 4), its run's sum, its float accumulator
 TOKEN_TILE = 4
-Q4_K_BLOCK = 144  # bytes of a Q4_K super-block in the file
+# bytes of a super-block in the file, by kind
+Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6_K"))
 # A tile's record per super-block: d[16] f16, dmin[16] f16, scales[8][16] u8,
 # mins[8][16] u8, then the codes: 64 bytes per (c, k), c < 4 the 64-element group, k < 8,
 # row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
 _D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
 RECORD = _QS + 32 * 64
-Q6_K_BLOCK = 210
 # Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
 # vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
 # vectors 4s, 4s + 1 in the low and high nibbles of the first, 4s + 2, 4s + 3 of the
@@ -89,16 +90,14 @@ Q6_K_BLOCK = 210
 # 4s + u at bits 2u, 2u + 1). 3,360 bytes as in the file, padded to 64-byte lines.
 _D6, _SC6, _QL6, _QH6 = 0, 32, 320, 320 + 2048
 RECORD6 = _QH6 + 1024
-# by kind code (kernels/quant/superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
+# a record's bytes by kind code (superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
 RECORDS = (RECORD, RECORD6)
-BLOCKS = (Q4_K_BLOCK, Q6_K_BLOCK)
-CODES = {"Q4_K": 0, "Q6_K": 1}
 
 
 def tiles_supported(kind_name: str) -> bool:
     """Whether this CPU multiplies ``kind_name`` weights as tiles (AVX-512 VNNI; Q4_K,
     Q6_K)."""
-    return HOST_ISA == "avx512vnni" and kind_name in CODES
+    return HOST_ISA == "avx512vnni" and kind_name in KBLOCK_CODES
 
 
 @numba.njit(**JIT)
@@ -183,12 +182,12 @@ def _aligned(shape: tuple[int, ...]) -> np.ndarray:
     which asks for huge pages, or with ``MADV_HUGEPAGE``: the kernel compacted memory
     at each fault when the page cache held the file, 6.5 s for the 4.8 GB of the
     Qwen2-7B shape's tiles; in plain pages, by two threads, about 1.)"""
-    size = max(1, int(np.prod(shape)))
+    size = int(np.prod(shape))
     if hasattr(mmap, "MAP_ANONYMOUS"):
-        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     else:  # Windows: anonymous memory backed by the paging file, zeroed too
-        buf = mmap.mmap(-1, size)
-    return np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape)
+        buf = mmap.mmap(-1, max(1, size))
+    return np.frombuffer(buf, np.uint8, count=size).reshape(shape)
 
 
 # bytes of a weight repacked between two calls of repack_parts' ``release``
@@ -197,9 +196,13 @@ REPACK_CHUNK = 16 << 20
 _REPACK_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+def _tiles_of(rows: int) -> int:
+    return -(-rows // TILE_ROWS)
+
+
 def tiles_nbytes(rows: int, k: int, kind_name: str = "Q4_K") -> int:
     """Bytes of the tiles of a weight ``[rows, k]`` of ``kind_name``."""
-    return -(-rows // TILE_ROWS) * (k // 256) * RECORDS[CODES[kind_name]]
+    return _tiles_of(rows) * (k // 256) * RECORDS[KBLOCK_CODES[kind_name]]
 
 
 def repack_parts(
@@ -213,37 +216,34 @@ def repack_parts(
     given, is called with the rows of each :data:`REPACK_CHUNK` bytes once repacked (a
     mapped file's pages can then leave the resident set: a large weight's file bytes
     and its tiles are never resident together)."""
-    code = CODES[kind_name]
-    block, record = BLOCKS[code], RECORDS[code]
+    code = KBLOCK_CODES[kind_name]
+    block, record = KBLOCK_KINDS[code][1], RECORDS[code]
     row_bytes = parts[0].shape[1]
     if row_bytes % block or any(p.shape[1] != row_bytes for p in parts):
         raise ValueError(
             f"{kind_name} rows of {[p.shape for p in parts]} bytes: not whole super-blocks"
         )
     nblk = row_bytes // block
-    counts = [-(-p.shape[0] // TILE_ROWS) for p in parts]
+    counts = [_tiles_of(p.shape[0]) for p in parts]
     out = _aligned((sum(counts), nblk, record))  # zeros: a short last tile's padding
     repack = _repack if code == 0 else _repack6
     step = max(1, REPACK_CHUNK // (TILE_ROWS * row_bytes))  # tiles a chunk
     first = 0
-    for p, count in zip(parts, counts):
-        dst = out[first : first + count].reshape(-1)
-        src = np.ascontiguousarray(p).reshape(-1)
-        for t0 in range(0, count, step):
-            t1 = min(count, t0 + step)
-            threads = min(_REPACK_THREADS, max(1, (t1 - t0) * TILE_ROWS * row_bytes >> 22))
-            bounds = [t0 + (t1 - t0) * i // threads for i in range(threads + 1)]
-            args = [(src, p.shape[0], row_bytes, dst, a, b) for a, b in zip(bounds, bounds[1:])]
-            if threads == 1:
-                repack(*args[0])
-            else:
-                with ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(lambda a: repack(*a), args))
+    with ThreadPoolExecutor(_REPACK_THREADS) as pool:
+        for p, count in zip(parts, counts):
+            dst = out[first : first + count].reshape(-1)
+            src = np.ascontiguousarray(p).reshape(-1)
+            for t0 in range(0, count, step):
+                t1 = min(count, t0 + step)
+                threads = min(_REPACK_THREADS, max(1, (t1 - t0) * TILE_ROWS * row_bytes >> 22))
+                bounds = [t0 + (t1 - t0) * i // threads for i in range(threads + 1)]
+                job = functools.partial(repack, src, p.shape[0], row_bytes, dst)
+                list(pool.map(job, bounds[:-1], bounds[1:]))
+                if release is not None:
+                    release([p[t0 * TILE_ROWS : t1 * TILE_ROWS]])
             if release is not None:
-                release([p[t0 * TILE_ROWS : t1 * TILE_ROWS]])
-        if release is not None:
-            release([p])  # the pages across chunk ends
-        first += count
+                release([p])  # the pages across chunk ends
+            first += count
     return out
 
 
@@ -414,14 +414,14 @@ def _q6_k_block(f: _Frame, blk, r_a):
         b.store(a, f.acc[t])
 
 
-def _tile_kernel(ntok, record: int, block):
+def _tile_kernel(kind, ntok, record: int, block):
     """The signature and code of a tile kernel: ``block(frame, blk, record address)``
     for every super-block, then each token's 16 results stored."""
     nt = _literal(ntok, tuple(range(1, TOKEN_TILE + 1)))
     if nt is None:
         return None
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, u, i, u, ntok)
+    sig = types.void(u, i, u, i, i, u, i, u, i, u, kind, ntok)
 
     def codegen(context, builder, signature, args):
         f = _Frame(builder, nt, args)
@@ -435,61 +435,54 @@ def _tile_kernel(ntok, record: int, block):
 
 
 @intrinsic
-def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, ntok):
+def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, kind, ntok):
     """``out`` (float32 ``[ntok, 16]``, 64-byte aligned) = one tile's 16 rows (``nblk``
-    records at ``rec``, :func:`repack_parts`) dotted with ``ntok`` tokens' two levels of
+    records at ``rec`` of ``kind``, a :data:`~kernels.quant.superblock.KBLOCK_CODES`
+    value: :func:`repack_parts`) dotted with ``ntok`` tokens' two levels of
     int8 activations in super-blocks (natural order): token ``t``'s first level at
     ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
-    block at ``xd + t * xd_tok`` (the first's / 256), its paired sums per 32
-    (``256 * s_0 + s_1``, int32) at ``bs + t * bs_tok``. ``ntok`` (1 to
-    :data:`TOKEN_TILE`) is compile-time.
+    block at ``xd + t * xd_tok`` (the first's / 256), its sums (:func:`tile_sums`)
+    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
+    compile-time.
 
-    Per block, token and run ``c`` of two sub-blocks, in integers (exact; per lane and
-    sub-block ``|256 s_0 + s_1| <= 32 * 15 * 32,640``, times a scale below 64, two of
-    them below 2^31): ``R = sum_{s in 2c, 2c+1} (256 * dot_0[s] + dot_1[s]) * sc[s]``;
-    then ``part = float(R_0) + float(R_1) + float(R_2) + float(R_3)`` in that order,
+    Q4_K (``bs``: the paired sums per 32, ``256 * s_0 + s_1``, int32): per block, token
+    and run ``c`` of two sub-blocks, in integers (exact; per lane and sub-block
+    ``|256 s_0 + s_1| <= 32 * 15 * 32,640``, times a scale below 64, two of them below
+    2^31): ``R = sum_{s in 2c, 2c+1} (256 * dot_0[s] + dot_1[s]) * sc[s]``; then
+    ``part = float(R_0) + float(R_1) + float(R_2) + float(R_3)`` in that order,
     ``acc = fma(part, d * xd, acc)``, and the offsets
     ``acc = fma(float(sum_s min[s] * bs[s]), -(dmin * xd), acc)`` (an exact integer,
-    ``8 * 63 * 32 * 32,640 < 2^31``): the same operations for a token whatever the
-    others."""
-    return _tile_kernel(ntok, RECORD, _q4_k_block)
+    ``8 * 63 * 32 * 32,640 < 2^31``).
 
+    Q6_K (:data:`RECORD6`; ``bs``: the paired sums per 16 times the codes' zero point,
+    ``32 * (256 * s_0 + s_1)``, int32): per block, token and sub-block ``s``, in integers
+    (exact): ``v = 256 * dot_0 + dot_1 - bs[s]`` (the codes less 32 times both levels:
+    ``|v| <= 16 * 32 * 32,640 < 2^24``, so exact in float32 too), then
+    ``part = fma(float(v), float(sc[s]), part)`` over the 16 sub-blocks in order from
+    zero, and ``acc = fma(part, d * xd, acc)``.
 
-@intrinsic
-def tile_dot6(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, ntok):
-    """:func:`tile_dot` for Q6_K tiles (:data:`RECORD6`): ``bs`` the token's paired sums
-    per 16 times the codes' zero point, ``32 * (256 * s_0 + s_1)`` (int32).
-
-    Per block, token and sub-block ``s``, in integers (exact): ``v = 256 * dot_0 +
-    dot_1 - bs[s]`` (the codes less 32 times both levels: ``|v| <= 16 * 32 * 32,640 <
-    2^24``, so exact in float32 too), then ``part = fma(float(v), float(sc[s]), part)``
-    over the 16 sub-blocks in order from zero, and ``acc = fma(part, d * xd, acc)``."""
-    return _tile_kernel(ntok, RECORD6, _q6_k_block)
+    Either: the same operations for a token whatever the others."""
+    code = _literal(kind, range(len(RECORDS)))
+    if code is None:
+        return None
+    return _tile_kernel(kind, ntok, RECORDS[code], (_q4_k_block, _q6_k_block)[code])
 
 
 @numba.njit(**INLINE)
 def _tile_dot(kind, rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, nt):
-    """:func:`tile_dot` (``kind`` 0: Q4_K) or :func:`tile_dot6` (1: Q6_K) over ``nt``
-    tokens (4, 2 or 1), the literal picked at run time."""
-    if kind == 0:
-        if nt == 4:
-            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 4)
-        elif nt == 2:
-            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 2)
-        else:
-            tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 1)
-    elif nt == 4:
-        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 4)
+    """:func:`tile_dot` over ``nt`` tokens (4, 2 or 1), the literal picked at run time."""
+    if nt == 4:
+        tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 4)
     elif nt == 2:
-        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 2)
+        tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 2)
     else:
-        tile_dot6(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, 1)
+        tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 1)
 
 
-@numba.njit(**JIT, parallel=True)
-def tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
+@numba.njit(**INLINE)
+def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
     """``out[t, n]`` (float32, ``n < n_rows``; a view into a wider output is fine) =
-    row ``n`` of ``tiles`` (:func:`repack_parts`; ``kind`` 0 Q4_K, 1 Q6_K) dotted with
+    row ``n`` of ``tiles`` (:func:`repack_parts`; ``kind`` a ``KBLOCK_CODES`` value) dotted with
     token ``t``'s two levels of super-block activations
     (:func:`~kernels.quant.activations.quantize_super_blocks` with ``levels=2``: ``q``
     int8 ``[2T, K]``, token ``t``'s second level row ``T + t``; ``xd`` their scales;
@@ -525,6 +518,25 @@ def tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
                     for r in range(valid):
                         out[j + t, n0 + r] = tmp[16 * t + r]
                 j += nt
+
+
+_Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
+
+
+@numba.njit(**JIT, parallel=True)
+def _tile_rows_q4_k(tiles, n_rows, q, xd, sums, out, tasks):
+    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks)
+
+
+@numba.njit(**JIT, parallel=True)
+def _tile_rows_q6_k(tiles, n_rows, q, xd, sums, out, tasks):
+    _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks)
+
+
+def tile_rows(kind: int, tiles, n_rows, q, xd, sums, out, tasks) -> None:
+    """:func:`_tile_rows` for ``kind`` (a ``KBLOCK_CODES`` value), compiled per kind (as
+    kquants.py does for the lane kernel: the kind a constant of each)."""
+    (_tile_rows_q4_k, _tile_rows_q6_k)[kind](tiles, n_rows, q, xd, sums, out, tasks)
 
 
 def tile_sums(kind_name: str, act) -> np.ndarray:

@@ -11,8 +11,8 @@ from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
 from kernels.quant.linear import BlockLinear, prompt_rows
 from kernels.quant.reference import reference_dequantize
+from kernels.quant.superblock import KBLOCK_CODES
 from kernels.quant.tiles import (
-    CODES,
     RECORDS,
     TILE_ROWS,
     repack_parts,
@@ -40,7 +40,7 @@ def _product(tiles, n, x, qtype=Q.Q4_K):
     act = quantize_super_blocks(x, levels=2)
     out = np.full((len(x), n), np.nan, np.float32)
     sums = tile_sums(qtype.name, act)
-    tile_rows(CODES[qtype.name], tiles, n, act.q, act.d, sums, out, 2)
+    tile_rows(KBLOCK_CODES[qtype.name], tiles, n, act.q, act.d, sums, out, 2)
     return out, act
 
 
@@ -52,7 +52,7 @@ def test_tiles_equal_the_dequantized_product(qtype, tokens):
     rng = np.random.default_rng(tokens)
     raw = random_blocks(qtype, 37, K, rng)
     tiles = repack_parts([raw], qtype.name)
-    record = RECORDS[CODES[qtype.name]]
+    record = RECORDS[KBLOCK_CODES[qtype.name]]
     assert tiles.shape == (3, K // 256, record) and tiles.ctypes.data % 64 == 0
     x = rng.standard_normal((tokens, K)).astype(np.float32)
     out, act = _product(tiles, 37, x, qtype)
