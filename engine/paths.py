@@ -57,3 +57,9 @@ def kv_cache_dir() -> Path:
     """``$FOLIO_KV_CACHE_DIR``, else ``kv`` in the user cache folder: the disk tier of the
     prompt cache (a store per model and cache format, rebuilt by prefilling again)."""
     return _from_env("FOLIO_KV_CACHE_DIR") or cache_dir() / "kv"
+
+
+def tiles_cache_dir() -> Path:
+    """``$FOLIO_TILES_DIR``, else ``tiles`` in the user cache folder: weights repacked at
+    load for this CPU's kernels, kept so the next load maps them (rebuilt by repacking)."""
+    return _from_env("FOLIO_TILES_DIR") or cache_dir() / "tiles"

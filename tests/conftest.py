@@ -46,6 +46,20 @@ def _own_kv_cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FOLIO_KV_CACHE_DIR", str(tmp_path_factory.mktemp("kv")))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_tiles_dir(tmp_path_factory):
+    """Repacked weights kept on disk (engine/model/tile_cache.py) in one folder for the
+    whole run, in children too: not in the user's cache folder, and a model loaded by
+    many tests is repacked once (a tile file's weights equal repacking's bit for bit)."""
+    old = os.environ.get("FOLIO_TILES_DIR")
+    os.environ["FOLIO_TILES_DIR"] = str(tmp_path_factory.mktemp("tiles"))
+    yield
+    if old is None:
+        os.environ.pop("FOLIO_TILES_DIR", None)
+    else:
+        os.environ["FOLIO_TILES_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF, fetched through Folio's own first-run fetch."""

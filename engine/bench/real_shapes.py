@@ -6,7 +6,10 @@ quantizer writes for that model (engine/bench/shapes.py; speed and memory depend
 shapes and types, not on trained values). Each engine runs in its own process so that
 its peak RSS is its own. Figures, one JSON object each:
 
-* ``load_s`` (page cache warm: the file is read once before), ``peak_rss_bytes`` (the
+* ``load_s`` (page cache warm: the file is read once before; weights repacked for this
+  CPU's kernels mapped from the tile file an earlier load wrote, as in every load but a
+  model's first: engine/model/tile_cache.py), ``load_repacking_s`` (a first load, the tile
+  cache off), ``peak_rss_bytes`` (the
   process, with the model and a 4,096-token cache, through prefill and decode), and where
   it went: ``rss_loaded_bytes`` (after loading, tokenizer included), ``kv_cache_bytes``,
   and ``peak_over_file_and_kv_bytes`` (the peak less the file and the cache: Python,
@@ -125,6 +128,7 @@ def _folio_figures(
         **gpu,
         "weights": loaded.weight_mode,
         "load_s": round(load_s, 2),
+        **({"tiles": loaded.tile_cache.status} if loaded.tile_cache is not None else {}),
         "weight_bytes": loaded.weight_bytes,
         "warm_up_s": round(warm_up_s, 3),
         "first_token_s": round(first_token_s, 3),
@@ -158,6 +162,22 @@ def _compile_kernels(path: str, weights: str, device: str) -> None:
 
     for batch in (4, 16):
         batched_case(loaded, 16, 2, batch, False)
+    if loaded.tile_cache is not None:
+        loaded.tile_cache.wait()  # the measured load maps what this one repacked
+
+
+def _repacking_load_s(path: str, weights: str, device: str) -> float | None:
+    """In a child process: a first load's seconds, repacking weights for this CPU's
+    kernels (the tile cache off); None where nothing is repacked."""
+    import os
+
+    os.environ["FOLIO_TILES_BUDGET_GB"] = "0"
+    from engine.model.loader import load_model
+
+    t = time.perf_counter()
+    loaded = load_model(path, weight_mode=weights, device=device)
+    seconds = time.perf_counter() - t
+    return seconds if loaded.tile_cache is not None else None
 
 
 def _in_child(fn, *args):
@@ -222,6 +242,9 @@ def run_shape_bench(args: Namespace) -> None:
     weights = getattr(args, "weights", None) or DEFAULT_WEIGHT_MODE
     _in_child(_compile_kernels, str(path), weights, device)
     folio = _in_child(_folio_figures, str(path), weights, threads, args.tg, batches, device, prompt)
+    repacking = _in_child(_repacking_load_s, str(path), weights, device)
+    if repacking is not None:
+        folio["load_repacking_s"] = round(repacking, 2)
     folio["decode_gb_s"] = round(per_token * folio["decode_tok_s"] / 1e9, 2)
     folio["bound_gb_s"] = round(bound / 1e9, 2)
     folio["decode_bound_tok_s"] = round(bound / per_token, 2)

@@ -353,6 +353,9 @@ def delete_model(
     cache_note = (
         f" and {format_bytes(cache_freed, 'MB')} of its prompt cache" if cache_freed else ""
     )
+    tiles_freed = _delete_tiles(path)
+    if tiles_freed:
+        cache_note += f" and {format_bytes(tiles_freed, 'MB')} of its repacked weights"
     if model.source == "imported":
         with _state_lock:
             imports = [p for p in _read_json(base / IMPORTS_FILE, []) if p != str(path.absolute())]
@@ -391,6 +394,17 @@ def _delete_prompt_cache(model_path: Path) -> int:
     except OSError:
         return 0  # the cache is rebuilt by prefilling; never a reason to keep the model
     return freed
+
+
+def _delete_tiles(model_path: Path) -> int:
+    """Bytes freed deleting the weights repacked from ``model_path`` and kept on disk
+    (engine/model/tile_cache.py); rebuilt by loading it again."""
+    from engine.model.tile_cache import delete_files
+
+    try:
+        return delete_files(model_path.resolve())
+    except OSError:
+        return 0
 
 
 def _unlink_size(path: Path) -> int:

@@ -388,11 +388,17 @@ class GGUFFile:
             if end > start:
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def _pages_of(self, a: np.ndarray) -> tuple[int, int]:
-        """The byte range of whole pages of the mapping inside view ``a``."""
+    def offset_of(self, a: np.ndarray) -> int | None:
+        """Where view ``a`` of the mapping (:meth:`tensor_bytes`) starts in the file;
+        None for an array that is not one."""
         base = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         offset = a.ctypes.data - base
-        if not 0 <= offset <= self.file_size - a.nbytes:
+        return offset if 0 <= offset <= self.file_size - a.nbytes else None
+
+    def _pages_of(self, a: np.ndarray) -> tuple[int, int]:
+        """The byte range of whole pages of the mapping inside view ``a``."""
+        offset = self.offset_of(a)
+        if offset is None:
             raise ValueError("not a view of this file's mapping")
         page = mmap.PAGESIZE
         start = -(-offset // page) * page

@@ -25,6 +25,7 @@ from engine import allocator
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_file import GGUFError, GGUFFile
+from engine.model.tile_cache import TileCache
 from engine.model.transformer import Concat, Layer, Linear, Transformer
 from engine.model.weight_modes import DEFAULT_WEIGHT_MODE, WEIGHT_MODES
 from kernels.bf16 import packed_bf16_available, packed_bf16_supported
@@ -32,6 +33,7 @@ from kernels.dequant import SUPPORTED_TYPES, block_geometry, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear
+from kernels.quant.tiles import TILES_FORMAT, repack_parts, tiles_supported
 from kernels.quant.weight import QuantWeight
 
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
@@ -57,6 +59,9 @@ class LoadedModel:
     # engine.cache.kv_cache.KeyCalibration: the pre-RoPE key means of a quantized K cache,
     # computed for the first such cache (engine.model.calibration) and shared by later ones
     key_calibration: object | None = None
+    # engine.model.tile_cache.TileCache: repacked weights kept on disk (native GGUF weights
+    # on a CPU with the tile kernels); its ``status`` says what became of them
+    tile_cache: object | None = None
 
     @property
     def batched_weights_bytes(self) -> int:
@@ -141,7 +146,7 @@ def load_model(
             # code, loaded when weights are repacked) was the peak of the whole load. A
             # tokenizer error still comes after any error in the weights, as before.
             tokenizer = _early_tokenizer(path)
-        loaded = _load_gguf(path, weight_mode, dtype, report, head_bits)
+        loaded = _load_gguf(path, weight_mode, dtype, report, head_bits, device.type == "cpu")
     else:
         raise ModelLoadError(
             f"{path}: not a model Folio can read; choose a .gguf file or a folder with config.json and *.safetensors"
@@ -211,8 +216,15 @@ def _naming(path: Path, message: str) -> str:
 
 
 def _load_gguf(
-    path: Path, weight_mode: str, dtype: torch.dtype, report: Progress, head_bits: int = 4
+    path: Path,
+    weight_mode: str,
+    dtype: torch.dtype,
+    report: Progress,
+    head_bits: int = 4,
+    keep_tiles: bool = True,
 ) -> LoadedModel:
+    """``keep_tiles``: weights repacked for this CPU's kernels are mapped from (or,
+    after loading, written to) the tile cache (engine/model/tile_cache.py)."""
     try:
         gf = GGUFFile(path)
     except GGUFError as exc:
@@ -272,6 +284,14 @@ def _load_gguf(
             data, qtype, shape, dtype=torch.bfloat16 if weight_mode == "bf16" else dtype
         )
 
+    tile_cache = None
+    if weight_mode == "native" and keep_tiles and _has_tiles(gf):
+        report(0.02, "repacked weights")
+        tile_cache = TileCache(path, gf.offset_of)
+    repack = functools.partial(
+        tile_cache.tiles if tile_cache is not None else repack_parts, release=gf.release
+    )
+
     def block_weight(name: str) -> QuantWeight:
         info = gf.tensors[required(name)]
         return QuantWeight.from_raw(gf.tensor_bytes(name), info.qtype, info.shape)
@@ -291,7 +311,7 @@ def _load_gguf(
         perm = torch.cat(perms)
         if bool((perm == torch.arange(offset)).all()):
             perm = None
-        return tiled(BlockLinear(parts, fused_bias, perm, release=gf.release))
+        return tiled(BlockLinear(parts, fused_bias, perm, repack=repack))
 
     repacked: list[np.ndarray] = []  # the file bytes of parts repacked into tiles
 
@@ -336,13 +356,15 @@ def _load_gguf(
         lm_head = (
             linear("output")
             if "output.weight" in gf.tensors
-            else tiled(BlockLinear([embedding.weight], release=gf.release))
+            else tiled(BlockLinear([embedding.weight], repack=repack))
         )
         # the weights are read in place: their pages mapped on a thread, not by the first
         # token (GGUFFile.prefault), except those repacked into tiles
         threading.Thread(
             target=gf.prefault, kwargs={"skip": tuple(repacked)}, name="folio-prefault", daemon=True
         ).start()
+        if tile_cache is not None:
+            tile_cache.save()  # on a thread: what was repacked, for the next load
     else:
         embedding, lm_head = _dense_embedding_and_head(dense, linear, gf, weight_mode, head_bits)
     factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
@@ -358,7 +380,13 @@ def _load_gguf(
         fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode)}"),
         load_seconds=0.0,
         quant_types=counts,
+        tile_cache=tile_cache,
     )
+
+
+def _has_tiles(gf: GGUFFile) -> bool:
+    """Whether any of the file's weights would be repacked into tiles on this CPU."""
+    return any(tiles_supported(info.type_name) for info in gf.tensors.values())
 
 
 def _kernels(weight_mode: str) -> str:
@@ -367,9 +395,7 @@ def _kernels(weight_mode: str) -> str:
     pages cached on disk before (or on a CPU without them) are not reused with them."""
     if weight_mode != "native":
         return ""
-    from kernels.quant.tiles import tiles_supported
-
-    return ":tiles1" if tiles_supported("Q4_K") else ""
+    return f":{TILES_FORMAT}" if tiles_supported("Q4_K") else ""
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

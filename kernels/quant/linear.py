@@ -156,10 +156,11 @@ class BlockLinear(PartsLinear):
         parts: list[QuantWeight],
         bias: torch.Tensor | None = None,
         perm: torch.Tensor | None = None,
-        release: Callable[[list[np.ndarray]], None] | None = None,
+        repack: Callable[[list[np.ndarray], str], np.ndarray] = repack_parts,
     ):
-        """``release``: called with the file bytes of parts repacked into tiles, as they
-        are done (the loader's ``GGUFFile.release``: they leave the resident set)."""
+        """``repack``: how parts become tiles (:func:`~kernels.quant.tiles.repack_parts`'s
+        signature; the loader's releases their file pages as they are done, or maps
+        tiles an earlier load kept on disk: engine/model/tile_cache.py)."""
         if not parts:
             raise ValueError("BlockLinear needs at least one weight")
         k = parts[0].in_features
@@ -181,7 +182,7 @@ class BlockLinear(PartsLinear):
         self._per32 = any(
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
         )
-        self._groups = _decode_groups(self.parts, release)
+        self._groups = _decode_groups(self.parts, repack)
         self._lanes = any(_in_lanes(g) for g in self._groups)
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
@@ -430,7 +431,8 @@ def _super_blocks(group: _Group) -> bool:
 
 
 def _decode_groups(
-    parts: list[QuantWeight], release: Callable[[list[np.ndarray]], None] | None = None
+    parts: list[QuantWeight],
+    repack: Callable[[list[np.ndarray], str], np.ndarray] = repack_parts,
 ) -> list[_Group]:
     groups: list[_Group] = []
     run: list[QuantWeight] = []
@@ -446,7 +448,7 @@ def _decode_groups(
             if tiles_supported(run[0].kind.name) and all(
                 p.out_features % TILE_ROWS == 0 for p in run[:-1]
             ):
-                tiles = repack_parts([p.data for p in run], run[0].kind.name, release)
+                tiles = repack([p.data for p in run], run[0].kind.name)
             groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table, tiles))
             first += columns
             run = []

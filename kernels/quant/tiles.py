@@ -63,6 +63,7 @@ from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load, _splat
 
 __all__ = [
     "RECORD",
+    "TILES_FORMAT",
     "TILE_ROWS",
     "TOKEN_TILE",
     "repack_parts",
@@ -92,6 +93,9 @@ _D6, _SC6, _QL6, _QH6 = 0, 32, 320, 320 + 2048
 RECORD6 = _QH6 + 1024
 # a record's bytes by kind code (superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
 RECORDS = (RECORD, RECORD6)
+# names this layout and its arithmetic: tiles kept on disk and K/V pages computed with
+# them are reused only under the same (engine/model/tile_cache.py, the fingerprint)
+TILES_FORMAT = "tiles1"
 
 
 def tiles_supported(kind_name: str) -> bool:

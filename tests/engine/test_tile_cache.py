@@ -1,0 +1,228 @@
+"""Repacked weights kept on disk (engine/model/tile_cache.py): a later load maps what an
+earlier one repacked, and a damaged, stale, oversized or unwritable file never gives
+wrong weights or a crash: the load repacks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.model import tile_cache as tc
+from engine.model.tile_cache import TileCache, delete_files, file_for
+from kernels.quant.bench import random_blocks
+from kernels.quant.tiles import repack_parts, tiles_supported
+
+MB = 1 << 20
+
+
+class _Model:
+    """A stand-in model file and weights in it: parts of Q4_K / Q6_K rows, the cache's
+    key their offsets in ``blob``."""
+
+    def __init__(self, path, seed=0, rows=(64, 48)):
+        rng = np.random.default_rng(seed)
+        self.parts = [
+            [random_blocks(Q.Q4_K, rows[0], 512, rng), random_blocks(Q.Q4_K, 16, 512, rng)],
+            [random_blocks(Q.Q6_K, rows[1], 256, rng)],
+        ]
+        self.kinds = ["Q4_K", "Q6_K"]
+        self.path = path
+        path.write_bytes(b"".join(p.tobytes() for ps in self.parts for p in ps))
+        self.offsets = {}
+        at = 0
+        for ps in self.parts:
+            for p in ps:
+                self.offsets[p.ctypes.data] = at
+                at += p.nbytes
+
+    def cache(self, directory, budget=64 * MB) -> TileCache:
+        return TileCache(self.path, lambda a: self.offsets.get(a.ctypes.data), directory, budget)
+
+    def load(self, cache: TileCache) -> list[np.ndarray]:
+        return [cache.tiles(ps, kind) for ps, kind in zip(self.parts, self.kinds)]
+
+    def expected(self) -> list[np.ndarray]:
+        return [repack_parts(ps, kind) for ps, kind in zip(self.parts, self.kinds)]
+
+
+def test_a_second_load_maps_the_tiles_the_first_repacked(tmp_path):
+    model = _Model(tmp_path / "m.gguf")
+    first = model.cache(tmp_path / "tiles")
+    made = model.load(first)
+    assert first.hits == 0
+    first.save(wait=True)
+    assert first.path.exists() and "kept on disk" in first.status
+    second = model.cache(tmp_path / "tiles")
+    mapped = model.load(second)
+    assert second.hits == 2 and second.save() is None  # nothing left to write
+    for a, b, want in zip(made, mapped, model.expected()):
+        assert b.shape == want.shape and np.array_equal(a, want) and np.array_equal(b, want)
+        assert b.ctypes.data % 64 == 0
+
+
+def test_a_damaged_tile_file_is_deleted_and_the_weights_repacked(tmp_path):
+    model = _Model(tmp_path / "m.gguf")
+    cache = model.cache(tmp_path / "tiles")
+    model.load(cache)
+    cache.save(wait=True)
+    with open(cache.path, "r+b") as f:  # one bit in the middle of the last weight's tiles
+        _magic, length, _crc = tc._HEADER.unpack(f.read(tc._HEADER.size))
+        last = json.loads(f.read(length))["weights"][-1]
+        at = last["offset"] + int(np.prod(last["shape"])) // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 4]))
+    again = model.cache(tmp_path / "tiles")
+    assert "CRC" in again.status and not again.path.exists()
+    tiles = model.load(again)
+    assert again.hits == 0
+    assert all(np.array_equal(a, b) for a, b in zip(tiles, model.expected()))
+    again.save(wait=True)  # written again, whole
+    assert model.cache(tmp_path / "tiles").hits == 0 and model.load(model.cache(tmp_path / "tiles"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "index"])
+def test_a_cut_or_garbled_tile_file_is_not_used(tmp_path, damage):
+    model = _Model(tmp_path / "m.gguf")
+    cache = model.cache(tmp_path / "tiles")
+    model.load(cache)
+    cache.save(wait=True)
+    data = bytearray(cache.path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) - 5000]
+    elif damage == "header":
+        data[:8] = b"NOTTILES"
+    else:
+        data[40] ^= 1  # inside the JSON index
+    cache.path.write_bytes(bytes(data))
+    again = model.cache(tmp_path / "tiles")
+    assert "repacking" in again.status and not again.path.exists()
+    tiles = model.load(again)
+    assert again.hits == 0
+    assert all(np.array_equal(a, b) for a, b in zip(tiles, model.expected()))
+
+
+def test_a_model_file_rewritten_in_place_does_not_get_the_old_tiles(tmp_path):
+    """Same path, same size and the same modification time (set back): the digest of
+    its bytes tells them apart."""
+    model = _Model(tmp_path / "m.gguf", seed=1)
+    cache = model.cache(tmp_path / "tiles")
+    model.load(cache)
+    cache.save(wait=True)
+    st = model.path.stat()
+    other = _Model(tmp_path / "m.gguf", seed=2)  # new bytes, same layout
+    os.utime(model.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_for(other.path, tmp_path / "tiles") == cache.path  # the same name...
+    again = other.cache(tmp_path / "tiles")
+    tiles = other.load(again)
+    assert again.hits == 0  # ...but not its tiles
+    assert all(np.array_equal(a, b) for a, b in zip(tiles, other.expected()))
+
+
+def test_a_full_disk_leaves_no_file_and_says_so(tmp_path, monkeypatch):
+    model = _Model(tmp_path / "m.gguf")
+    cache = model.cache(tmp_path / "tiles")
+    tiles = model.load(cache)
+
+    def full(f, a):
+        f.write(memoryview(a.reshape(-1)[:100]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tc, "_write_crc", full)
+    cache.save(wait=True)
+    assert "No space left on device" in cache.status and "next load repacks" in cache.status
+    assert list((tmp_path / "tiles").iterdir()) == []
+    assert all(np.array_equal(a, b) for a, b in zip(tiles, model.expected()))
+
+
+def test_tiles_over_the_budget_are_not_written_and_the_oldest_make_room(tmp_path):
+    a, b, c = (_Model(tmp_path / f"{n}.gguf", seed=i) for i, n in enumerate("abc"))
+    one = sum(t.nbytes for t in a.expected()) + 3 * 4096  # header and page padding
+    budget = 2 * one + one // 2
+    for m in (a, b):
+        cache = m.cache(tmp_path / "tiles", budget)
+        m.load(cache)
+        cache.save(wait=True)
+    os.utime(file_for(a.path, tmp_path / "tiles"), (1, 1))  # a used longest ago
+    cache = c.cache(tmp_path / "tiles", budget)
+    c.load(cache)
+    cache.save(wait=True)
+    left = {p.name for p in (tmp_path / "tiles").iterdir()}
+    assert left == {file_for(m.path, tmp_path / "tiles").name for m in (b, c)}
+
+    small = a.cache(tmp_path / "tiles", budget=one // 2)
+    a.load(small)
+    small.save(wait=True)
+    assert "do not fit" in small.status and not small.path.exists()
+    off = a.cache(tmp_path / "tiles", budget=0)
+    a.load(off)
+    assert off.save() is None and not off.path.exists()
+
+
+def test_what_a_dead_process_left_half_written_is_removed(tmp_path):
+    model = _Model(tmp_path / "m.gguf")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (tmp_path / "tiles").mkdir()
+    dead = tmp_path / "tiles" / f"x.tiles{tc.PARTIAL}{gone.stdout.strip()}"
+    ours = tmp_path / "tiles" / f"y.tiles{tc.PARTIAL}{os.getpid()}"
+    dead.write_bytes(b"half")
+    ours.write_bytes(b"being written")
+    model.cache(tmp_path / "tiles")
+    assert not dead.exists() and ours.exists()
+
+
+def test_deleting_a_models_tiles_leaves_the_others(tmp_path):
+    a, b = _Model(tmp_path / "a.gguf", seed=1), _Model(tmp_path / "b.gguf", seed=2)
+    for m in (a, b):
+        cache = m.cache(tmp_path / "tiles")
+        m.load(cache)
+        cache.save(wait=True)
+    size = file_for(a.path, tmp_path / "tiles").stat().st_size
+    assert delete_files(a.path, tmp_path / "tiles") == size
+    assert [p.name for p in (tmp_path / "tiles").iterdir()] == [
+        file_for(b.path, tmp_path / "tiles").name
+    ]
+
+
+@pytest.mark.skipif(
+    not tiles_supported("Q4_K"), reason="this CPU has no AVX-512 VNNI: no tiles to keep"
+)
+def test_a_model_loaded_again_maps_its_tiles_and_computes_the_same_bits(tmp_path, monkeypatch):
+    """A Q4_K_M model's second load takes every tiled weight from the file the first
+    wrote, and its logits equal the first load's bit for bit."""
+    from engine.model.loader import load_model
+    from tests.engine.test_forward_tiny import FILE_MIXES, _folio_logits
+    from tests.engine.tiny_models import make_hf_model, write_gguf
+
+    monkeypatch.setenv("FOLIO_TILES_DIR", str(tmp_path / "tiles"))
+    model = make_hf_model("qwen2", seed=5, tie_word_embeddings=False, hidden_size=256)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=6)
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1)
+    )
+
+    def logits(loaded):
+        return _folio_logits(loaded, ids, chunks=(9, 1, 1))
+
+    first = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    first.tile_cache.wait()
+    assert first.tile_cache.hits == 0 and first.tile_cache.path.exists()
+    second = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    tiled = sum(
+        len(lin.repacked()) > 0
+        for layer in second.model.layers
+        for lin in (layer.qkv, layer.gate_up, layer.down)
+    )
+    assert second.tile_cache.hits >= tiled > 0
+    assert torch.equal(logits(first), logits(second))
