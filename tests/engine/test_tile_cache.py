@@ -226,3 +226,20 @@ def test_a_model_loaded_again_maps_its_tiles_and_computes_the_same_bits(tmp_path
     )
     assert second.tile_cache.hits >= tiled > 0
     assert torch.equal(logits(first), logits(second))
+
+
+def test_deleting_a_model_deletes_its_tiles_and_says_how_much(tmp_path, monkeypatch):
+    from engine.hub.library import LocalModel, delete_model
+
+    monkeypatch.setenv("FOLIO_TILES_DIR", str(tmp_path / "tiles"))
+    models = tmp_path / "models"
+    models.mkdir()
+    doomed, kept = _Model(models / "doomed.gguf", seed=1), _Model(models / "kept.gguf", seed=2)
+    for m in (doomed, kept):
+        cache = m.cache(None)
+        m.load(cache)
+        cache.save(wait=True)
+    result = delete_model(LocalModel(doomed.path, "doomed", "gguf", "folio", 1), models)
+    assert "of its repacked weights" in result.message
+    assert [p.name for p in (tmp_path / "tiles").iterdir()] == [file_for(kept.path).name]
+    assert not doomed.path.exists()
