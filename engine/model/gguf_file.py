@@ -19,7 +19,9 @@ from __future__ import annotations
 import codecs
 import math
 import mmap
+import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -387,6 +389,30 @@ class GGUFFile:
             start, end = self._pages_of(a)
             if end > start:
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def row_reader(self, a: np.ndarray) -> Callable[[np.ndarray], np.ndarray] | None:
+        """A function reading rows ``index`` of view ``a`` (uint8 ``[rows, row bytes]``,
+        :meth:`tensor_bytes`) with ``preadv``, no page of the file mapped: a large table
+        looked up a few rows at a time (the token embedding) then stays out of the
+        process's resident set, where each lookup through the mapping brought 64 KB
+        (the kernel maps the cached pages around each page read). None where the
+        system has no ``preadv`` (Windows)."""
+        offset = self.offset_of(a)
+        if offset is None or a.ndim != 2 or not hasattr(os, "preadv"):
+            return None
+        rows, width = a.shape
+        file = self._file  # kept open by the reader as long as the reader lives
+
+        def read(index: np.ndarray) -> np.ndarray:
+            out = np.empty((len(index), width), np.uint8)
+            for j, i in enumerate(index.tolist()):
+                if not 0 <= i < rows:
+                    raise IndexError(f"row {i} of a table of {rows:,}")
+                if os.preadv(file.fileno(), [out[j]], offset + i * width) != width:
+                    raise OSError(f"{self.path}: the file became shorter while in use")
+            return out
+
+        return read
 
     def offset_of(self, a: np.ndarray) -> int | None:
         """Where view ``a`` of the mapping (:meth:`tensor_bytes`) starts in the file;

@@ -352,16 +352,21 @@ def _load_gguf(
     names = GGUF_GEMMA_NAMES if config.arch == "gemma3" else GGUF_NAMES
     layers = _build_layers(config, names, norm, linear, report)
     if weight_mode == "native":
-        embedding = BlockEmbedding(block_weight("token_embd.weight"))
+        table = block_weight("token_embd.weight")
+        embedding = BlockEmbedding(table, gf.row_reader(table.data))
         lm_head = (
             linear("output")
             if "output.weight" in gf.tensors
             else tiled(BlockLinear([embedding.weight], repack=repack))
         )
         # the weights are read in place: their pages mapped on a thread, not by the first
-        # token (GGUFFile.prefault), except those repacked into tiles
+        # token (GGUFFile.prefault), except those repacked into tiles and a table whose
+        # rows are read from the file
+        head_reads_table = "output.weight" not in gf.tensors and not lm_head.repacked()
+        by_rows = embedding.read is not None and not head_reads_table
+        skip = (*repacked, *([table.data] if by_rows else []))
         threading.Thread(
-            target=gf.prefault, kwargs={"skip": tuple(repacked)}, name="folio-prefault", daemon=True
+            target=gf.prefault, kwargs={"skip": skip}, name="folio-prefault", daemon=True
         ).start()
         if tile_cache is not None:
             tile_cache.save()  # on a thread: what was repacked, for the next load

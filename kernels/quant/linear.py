@@ -478,12 +478,14 @@ def _float_part(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 class BlockEmbedding:
     """Token rows of a ``[vocab, hidden]`` table in its file format, dequantized (float32)
-    when looked up."""
+    when looked up; ``read`` (``GGUFFile.row_reader``), if given, reads the rows from the
+    file instead of the mapping (the table's pages then stay out of the resident set)."""
 
-    __slots__ = ("weight",)
+    __slots__ = ("weight", "read")
 
-    def __init__(self, weight: QuantWeight):
+    def __init__(self, weight: QuantWeight, read: Callable[[np.ndarray], np.ndarray] | None = None):
         self.weight = weight
+        self.read = read
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -499,7 +501,9 @@ class BlockEmbedding:
         if w.is_float:
             rows = F.embedding(torch.from_numpy(index), w.float_tensor()).float()
         else:
-            picked = np.ascontiguousarray(w.data[index])
+            picked = (
+                self.read(index) if self.read is not None else np.ascontiguousarray(w.data[index])
+            )
             rows = dequantize_weight(
                 QuantWeight.from_raw(picked, w.qtype, (index.size, w.in_features))
             )

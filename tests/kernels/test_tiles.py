@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from kernels.quant.activations import quantize_super_blocks
 from kernels.quant.bench import random_blocks
-from kernels.quant.linear import BlockLinear, prompt_rows
+from kernels.quant.linear import BlockEmbedding, BlockLinear, prompt_rows
 from kernels.quant.reference import reference_dequantize
 from kernels.quant.superblock import KBLOCK_CODES
 from kernels.quant.tiles import (
@@ -154,8 +154,8 @@ def _mapped_pages(a: np.ndarray) -> int:
 
 def test_a_loaded_models_repacked_file_bytes_leave_the_resident_set(tmp_path):
     """A Q4_K_M model: its Q4_K / Q6_K projections held as tiles, their file pages
-    (read once to repack) unmapped and left out of the prefault, while the weights read
-    in place (the embedding's rows) stay mapped by it."""
+    (read once to repack) unmapped and left out of the prefault, and so is the token
+    embedding's table, whose rows are read from the file."""
     import threading
 
     from engine.model.loader import load_model
@@ -173,5 +173,11 @@ def test_a_loaded_models_repacked_file_bytes_leave_the_resident_set(tmp_path):
     assert repacked and all(p.nbytes >= 3 * 4096 for p in repacked)
     # whole pages inside each part unmapped (a part's first and last may share a page)
     assert all(_mapped_pages(p.data) <= 2 for p in repacked)
-    embedding = loaded.model.embedding.weight.data
-    assert _mapped_pages(embedding) >= embedding.nbytes // 4096 - 2
+    # the embedding's rows are read from the file (GGUFFile.row_reader): its pages are
+    # neither prefaulted nor mapped by lookups, and the rows are the mapping's
+    embedding = loaded.model.embedding
+    assert embedding.read is not None and _mapped_pages(embedding.weight.data) <= 2
+    tokens = torch.tensor([[0, 7, 300, embedding.shape[0] - 1]])
+    rows = embedding(tokens)
+    assert _mapped_pages(embedding.weight.data) <= 2
+    assert torch.equal(rows, BlockEmbedding(embedding.weight)(tokens))
