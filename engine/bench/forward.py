@@ -125,7 +125,8 @@ def run_forward_bench(args: Namespace) -> None:
         cases.append(_transformers_case(path, device))
     for case in cases:
         case.run(32, 2)  # warm-up: first calls allocate and pick kernels
-    for _ in range(args.rounds):
+    rounds = args.rounds or 3
+    for _ in range(rounds):
         for case in cases:
             prefill_s, decode_s = case.run(args.prefill_tokens, args.decode_tokens)
             case.prefill_s.append(prefill_s)
@@ -137,7 +138,7 @@ def run_forward_bench(args: Namespace) -> None:
         "device": str(device),
         "prefill_tokens": args.prefill_tokens,
         "decode_tokens": args.decode_tokens,
-        "rounds": args.rounds,
+        "rounds": rounds,
     }
     records = {}
     for case in cases:

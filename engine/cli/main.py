@@ -108,7 +108,10 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--prefill-tokens", type=int, default=512)
     fwd.add_argument("--decode-tokens", type=int, default=64)
     fwd.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds; each figure is the best"
+        "--rounds",
+        type=int,
+        help="interleaved rounds, each figure the best (default 3; --shape: 1, Folio and "
+        "llama.cpp in turns)",
     )
     fwd.add_argument("--skip-transformers", action="store_true")
     fwd.add_argument(

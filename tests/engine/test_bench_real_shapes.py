@@ -72,3 +72,17 @@ def test_forward_bench_runs_only_the_weight_mode_asked_for(tmp_path, smollm2_pat
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["engine"], r["weights"]) for r in records] == [("folio", "dequant")]
     assert records[0]["decode_tokens_per_s"] > 0
+
+
+def test_best_of_rounds_takes_each_figures_best_round():
+    rounds = [
+        {"engine": "folio", "prefill_tok_s": 100.0, "decode_tok_s": 40.0, "load_s": 0.5,
+         "first_token_s": 0.3, "peak_rss_bytes": 1500, "s_tg": {"4": 90.0, "16": 110.0}},
+        {"engine": "folio", "prefill_tok_s": 120.0, "decode_tok_s": 35.0, "load_s": 0.4,
+         "first_token_s": 0.35, "peak_rss_bytes": 1600, "s_tg": {"4": 80.0, "16": 115.0}},
+    ]  # fmt: skip
+    best = real_shapes.best_of(rounds)
+    assert (best["prefill_tok_s"], best["decode_tok_s"]) == (120.0, 40.0)
+    assert (best["load_s"], best["first_token_s"], best["peak_rss_bytes"]) == (0.4, 0.3, 1500)
+    assert best["s_tg"] == {"4": 90.0, "16": 115.0} and best["rounds"] == 2
+    assert rounds[0]["decode_tok_s"] == 40.0 and rounds[1]["s_tg"]["16"] == 115.0  # untouched
