@@ -286,8 +286,10 @@ def _load_gguf(
 
     tile_cache = None
     if weight_mode == "native" and keep_tiles and _has_tiles(gf):
-        report(0.02, "repacked weights")
+        report(0.02, "weights repacked for this CPU: checking those kept on disk")
         tile_cache = TileCache(path, gf.offset_of)
+        if not tile_cache.mapped:  # a first load: say why it takes longer than the next
+            report = _repacking(report, tile_cache.budget > 0)
     repack = functools.partial(
         tile_cache.tiles if tile_cache is not None else repack_parts, release=gf.release
     )
@@ -387,6 +389,16 @@ def _load_gguf(
         quant_types=counts,
         tile_cache=tile_cache,
     )
+
+
+def _repacking(report: Progress, kept: bool) -> Progress:
+    """``report`` whose steps say that weights are being repacked (and kept)."""
+    note = " (once: kept on disk)" if kept else ""  # gui.models.loading shows it
+
+    def repacking(fraction: float, what: str) -> None:
+        report(fraction, f"{what}, repacking weights for this CPU{note}")
+
+    return repacking
 
 
 def _has_tiles(gf: GGUFFile) -> bool:

@@ -211,6 +211,11 @@ class TileCache:
         except OSError:
             pass
 
+    @property
+    def mapped(self) -> bool:
+        """Whether an earlier load's file was found whole and mapped."""
+        return bool(self._mapped)
+
     # -- the loader's hook -----------------------------------------------------------------
 
     def key(self, parts: list[np.ndarray], kind_name: str) -> Key | None:

@@ -29,7 +29,7 @@ from engine.units import format_bytes
 
 ETA_AFTER_S = 1.0  # too early, the first layer's pace says little about the rest
 ETA_AFTER_FRACTION = 0.05
-_LAYER = re.compile(r"layer (\d+)/(\d+)")
+_LAYER = re.compile(r"layer (\d+)/(\d+)(, .+)?")  # and what the layers' step does, if said
 STEPS = {
     "tokenizer": "reading the tokenizer",
     "allocating the KV cache": "allocating the KV cache and loading the kernels",
@@ -56,7 +56,7 @@ class LoadProgress:
         self.fraction = min(max(float(fraction), self.fraction), 1.0)
         layer = _LAYER.fullmatch(what.strip())
         if layer:
-            self.step = f"layer {layer[1]} of {layer[2]}"
+            self.step = f"layer {layer[1]} of {layer[2]}{layer[3] or ''}"
         else:
             self.step = STEPS.get(what, what)
         return self.text

@@ -243,3 +243,28 @@ def test_deleting_a_model_deletes_its_tiles_and_says_how_much(tmp_path, monkeypa
     assert "of its repacked weights" in result.message
     assert [p.name for p in (tmp_path / "tiles").iterdir()] == [file_for(kept.path).name]
     assert not doomed.path.exists()
+
+
+@pytest.mark.skipif(
+    not tiles_supported("Q4_K"), reason="this CPU has no AVX-512 VNNI: no tiles to keep"
+)
+def test_a_first_load_says_it_repacks_and_a_second_does_not(tmp_path, monkeypatch):
+    from engine.model.loader import load_model
+    from tests.engine.test_forward_tiny import FILE_MIXES
+    from tests.engine.tiny_models import make_hf_model, write_gguf
+
+    monkeypatch.setenv("FOLIO_TILES_DIR", str(tmp_path / "tiles"))
+    model = make_hf_model("llama", seed=3, tie_word_embeddings=False, hidden_size=256)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=4)
+
+    def steps() -> str:
+        seen: list[str] = []
+        loaded = load_model(
+            tmp_path / "m.gguf", load_tokenizer=False, progress=lambda f, what: seen.append(what)
+        )
+        loaded.tile_cache.wait()
+        return " | ".join(seen)
+
+    first, second = steps(), steps()
+    assert "layer 1/" in first and "repacking weights for this CPU (once" in first
+    assert "layer 1/" in second and "repacking" not in second

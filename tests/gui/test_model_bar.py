@@ -43,6 +43,14 @@ def test_load_progress_says_the_step_and_the_seconds_left():
     assert progress.update(1.0, "ready").endswith("· 100%")
 
 
+def test_load_progress_says_when_the_layers_are_repacked():
+    progress = LoadProgress("Qwen2-7B", clock=lambda: 0.0)
+    text = progress.update(0.3, "layer 9/28, repacking weights for this CPU (once: kept on disk)")
+    assert text == (
+        "Loading Qwen2-7B: layer 9 of 28, repacking weights for this CPU (once: kept on disk) · 30%"
+    )
+
+
 def test_first_run_dialog_names_the_model_and_its_size(qtbot):
     dialog = FetchDialog(lambda **_: Path("/nowhere"))
     qtbot.addWidget(dialog)

@@ -510,3 +510,18 @@ def test_triton_decode_checks_the_key_offset_against_the_host_length(triton_inte
     beyond = functools.partial(fn, longest=case.k_offset.table.shape[0] + 1)
     with pytest.raises(ValueError, match="does not cover the longest context"):
         case.paged(beyond)
+
+
+def test_a_fresh_prompt_takes_the_causal_kernel_with_the_masks_bits():
+    """A prompt from its first token runs SDPA with ``is_causal`` (which skips the
+    blocks above the diagonal): the same bits as the causal mask given as a tensor."""
+    import torch.nn.functional as F
+
+    case = make_case([(300, 300)], 16)
+    q = case.q[None].transpose(1, 2)
+    k, v = (t[0][None].transpose(1, 2) for t in (case.keys, case.values))
+    mask = torch.ones(300, 300, dtype=torch.bool).tril()
+    masked = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=case.scale, enable_gqa=True
+    ).transpose(1, 2)[0]
+    assert torch.equal(case.paged(), masked)
