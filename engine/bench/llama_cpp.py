@@ -9,8 +9,8 @@ Peak memory is the tool's maximum resident set size as GNU time (``/usr/bin/time
 reports it, in bytes; None where GNU time is missing.
 
 ``repack=None`` (the default) runs with llama.cpp's default, weight repacking on, and
-when the tool dies of SIGILL runs it again with repacking off (see :data:`SIGILL_HINT`);
-each report says which it used.
+when the tool dies of SIGILL or SIGSEGV runs it again with repacking off (see
+:data:`SIGILL_HINT`); each report says which it used.
 """
 
 from __future__ import annotations
@@ -275,10 +275,15 @@ def run_batched_bench(
 # good here: on Linux a child starts with the high-water mark of the process it was forked
 # from (Python with torch loaded: ~500 MB) and keeps it across exec.
 GNU_TIME = Path("/usr/bin/time")
-SIGILL_EXITS = (-4, 128 + 4)  # killed by SIGILL: directly, or as GNU time reports it
+# killed by SIGILL or SIGSEGV: directly, or as GNU time reports it. A VM that does not
+# grant AMX's tile state faults on ggml's first tile instruction: SIGILL on one host, a
+# general protection fault (SIGSEGV) on another (a Sapphire Rapids guest, the kernel log
+# naming libggml-cpu)
+SIGILL_EXITS = (-4, 128 + 4, -11, 128 + 11)
 SIGILL_HINT = (
     "the build uses an instruction this machine refuses (seen: AMX tile instructions of "
-    "ggml's AMX buffer in a VM, from a -march=native build); run with repack=False "
+    "ggml's AMX buffer in a VM, from a -march=native build: SIGILL, or SIGSEGV from a "
+    "general protection fault); run with repack=False "
     "(--repack 0 / --no-repack), which turns off ggml's extra CPU buffer types, AMX "
     "included (the runners do so by themselves unless told repack=True), or rebuild "
     "without GGML_NATIVE"
@@ -289,7 +294,8 @@ def _run_repacking(
     command: Callable[[bool], list[str]], repack: bool | None, timeout: float | None
 ) -> tuple[str, str, int | None, bool]:
     """``run_measured(command(repack))``; for ``repack=None`` with repacking on, and off
-    again after a SIGILL. The last value says whether repacking was on."""
+    again after a SIGILL or SIGSEGV (:data:`SIGILL_EXITS`). The last value says whether
+    repacking was on."""
     if repack is not None:
         return *run_measured(command(repack), timeout), repack
     try:

@@ -351,6 +351,14 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def drop_arrays(self) -> None:
+        """Forget the metadata's arrays (the vocabulary, its scores and merges: 15 MB of
+        Python strings for a 128k vocabulary) once loading has read them: a loaded model
+        keeps its file open to read embedding rows, and nothing reads its arrays after."""
+        self.metadata = {
+            k: v for k, v in self.metadata.items() if not isinstance(v, (list, np.ndarray))
+        }
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor as a read-only uint8 array backed by the file mapping."""
         info = self.tensors[name]

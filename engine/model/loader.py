@@ -378,6 +378,7 @@ def _load_gguf(
     model = Transformer(
         config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype
     )
+    gf.drop_arrays()  # the file stays open for the embedding's rows, its vocabulary need not
     return LoadedModel(
         path=path,
         format="gguf",

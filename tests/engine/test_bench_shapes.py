@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -309,7 +310,7 @@ for b in batches[:-1]:  # the last row lost at exit, as llama.cpp's logger may l
 FAKE_LLAMA_BENCH = """#!{python}
 import os, signal, sys
 if "--repack" not in sys.argv:  # as the AMX path of a -march=native build in a VM
-    os.kill(os.getpid(), signal.SIGILL)
+    os.kill(os.getpid(), signal.{signal})
 print(open({fixture!r}).read())
 """
 
@@ -330,13 +331,17 @@ def test_batched_bench_runs_again_the_rows_lost_at_exit(tmp_path):
     assert len(calls) == 2 and "-npl 4,1" in calls[1] and "-c 48" in calls[0]
 
 
-def test_llama_bench_turns_repacking_off_after_sigill(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGILL", "SIGSEGV"])
+def test_llama_bench_turns_repacking_off_after_a_refused_instruction(tmp_path, sig):
+    """ggml's AMX path in a VM that refuses tile instructions: SIGILL on one host, a
+    general protection fault (SIGSEGV) on another; either way run again without it."""
     fixture = str(DATA / "llama_bench_tiny_llama.json")
-    script = FAKE_LLAMA_BENCH.format(python=sys.executable, fixture=fixture)
+    script = FAKE_LLAMA_BENCH.format(python=sys.executable, fixture=fixture, signal=sig)
     _fake_tool(tmp_path, "llama-bench", script)
     report = llama_cpp.run_llama_bench(tmp_path, "m.gguf", 2, 64, 16, 3)
     assert not report.repack and report.decode.avg > 0
-    with pytest.raises(llama_cpp.LlamaCppError, match=r"exited with 132(.|\n)*repack=False"):
+    code = 128 + getattr(signal, sig)
+    with pytest.raises(llama_cpp.LlamaCppError, match=rf"exited with {code}(.|\n)*repack=False"):
         llama_cpp.run_llama_bench(tmp_path, "m.gguf", 2, repack=True)
 
 

@@ -96,6 +96,29 @@ def test_native_mode_agrees_with_dequant_mode(smollm2_native, smollm2_dequant, s
     assert smollm2_native.weight_bytes <= 1.05 * smollm2_path.stat().st_size
 
 
+def test_a_loaded_model_keeps_its_file_open_but_not_its_vocabulary(smollm2_native, smollm2_path):
+    """The model reads embedding rows from its GGUF file, which it keeps open; the file's
+    metadata arrays (49,152 token strings, the merges) were read by loading and are not
+    kept with it."""
+    import numpy as np
+
+    from engine.model.gguf_file import GGUFFile
+
+    read = smollm2_native.model.embedding.read
+    files = [
+        c.cell_contents for c in read.__closure__ or () if isinstance(c.cell_contents, GGUFFile)
+    ]
+    assert len(files) == 1, "the embedding's row reader should hold the model's GGUF file"
+    kept = files[0]
+    assert len(GGUFFile(smollm2_path).get("tokenizer.ggml.tokens")) == 49152
+    assert kept.get("tokenizer.ggml.tokens") is None
+    assert not [k for k, v in kept.metadata.items() if isinstance(v, (list, np.ndarray))]
+    assert kept.architecture == "llama"  # the scalars stay
+    ids = torch.tensor([0, 17, 49151])
+    rows = smollm2_native.model.embedding(ids)
+    assert rows.shape == (3, smollm2_native.config.hidden_size) and torch.isfinite(rows).all()
+
+
 def test_bf16_batch_copies_agree_with_dequant_as_well_as_int4(smollm2_int4, smollm2_dequant):
     if not smollm2_int4.batched_weights_bytes:
         pytest.skip("no bf16 batch copies: this CPU has no AMX bf16 (kernels/bf16.py)")
