@@ -230,6 +230,7 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     """Compile (or load from numba's cache) the decode and dequantize kernels of
     ``qtypes``: a few seconds per type the first time on a 2-core machine, then a fraction
     of a second from the cache."""
+    from kernels.quant.amx import AMX_TOKENS, amx_ready
     from kernels.quant.registry import quant_type
     from kernels.quant.superblock import KBLOCK_CODES
     from kernels.quant.tiles import repack_parts, tile_rows, tile_sums, tiles_supported
@@ -267,11 +268,16 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
                 kind.prompt_parts(table, w.data.shape[1], *args, out, decode_tasks())
         if tiles_supported(kind.name):  # kernels/quant/tiles.py
             tiles = repack_parts([w.data], kind.name)
-            act = quantize_super_blocks(np.zeros((2, k), np.float32), levels=2)
-            for out in (np.empty((2, 1), np.float32), np.empty((2, 2), np.float32)[:, :1]):
-                tile_rows(
-                    KBLOCK_CODES[kind.name], tiles, 1, act.q, act.d, tile_sums(kind.name, act), out,
-                    decode_tasks(),
-                )  # fmt: skip
+            # a few tokens, and (Q4_K on AMX: kernels/quant/amx.py) 16, where taken
+            for tokens in (2, AMX_TOKENS) if amx_ready() else (2,):
+                act = quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
+                for out in (
+                    np.empty((tokens, 1), np.float32),
+                    np.empty((tokens, 2), np.float32)[:, :1],
+                ):
+                    tile_rows(
+                        KBLOCK_CODES[kind.name], tiles, 1, act.q, act.d,
+                        tile_sums(kind.name, act), out, decode_tasks(),
+                    )  # fmt: skip
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

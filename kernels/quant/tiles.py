@@ -45,6 +45,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from kernels.quant.amx import AMX_TOKENS, RECORD_Q4_K, SCRATCH, amx_ready, tile_dot_amx
 from kernels.quant.blocks import INLINE, JIT
 from kernels.quant.simd import (
     F32,
@@ -84,6 +85,7 @@ Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6
 # row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
 _D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
 RECORD = _QS + 32 * 64
+assert RECORD == RECORD_Q4_K
 # Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
 # vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
 # vectors 4s, 4s + 1 in the low and high nibbles of the first, 4s + 2, 4s + 3 of the
@@ -358,6 +360,14 @@ def _q4_k_block(f: _Frame, blk, r_a):
                 run = s if run is None else b.add(run, s)
             fl = b.sitofp(run, V16)
             b.store(b.select(first, fl, b.fadd(b.load(f.part[t]), fl)), f.part[t])
+    q4_k_block_end(f, blk, r_a)
+
+
+def q4_k_block_end(f: _Frame, blk, r_a):
+    """A Q4_K super-block's float steps once its runs are summed into ``f.part``: each
+    token's ``acc = fma(part, d * xd, acc)``, then its offsets (``mins`` times the
+    activations' paired sums, in integers) ``acc = fma(float(.), -(dmin * xd), acc)``."""
+    b, nt = f.builder, f.nt
     d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
     mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
     for t in range(nt):
@@ -484,7 +494,7 @@ def _tile_dot(kind, rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, n
 
 
 @numba.njit(**INLINE)
-def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
+def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks, amx):
     """``out[t, n]`` (float32, ``n < n_rows``; a view into a wider output is fine) =
     row ``n`` of ``tiles`` (:func:`repack_parts`; ``kind`` a ``KBLOCK_CODES`` value) dotted with
     token ``t``'s two levels of super-block activations
@@ -500,24 +510,33 @@ def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks):
     x_at, xd_at, bs_at = q.ctypes.data, xd.ctypes.data, sums.ctypes.data
     xl = tokens * xs  # the second level's rows follow the first's
     for task in numba.prange(tasks):
-        raw = np.empty(64 * TOKEN_TILE + 64, np.uint8)
+        raw = np.empty(64 * AMX_TOKENS + 64, np.uint8)
         tmp_at = (raw.ctypes.data + 63) & ~63
-        tmp = raw[tmp_at - raw.ctypes.data : tmp_at - raw.ctypes.data + 64 * TOKEN_TILE].view(
+        tmp = raw[tmp_at - raw.ctypes.data : tmp_at - raw.ctypes.data + 64 * AMX_TOKENS].view(
             np.float32
         )
+        scratch = np.empty(SCRATCH + 64 if amx else 0, np.uint8)
+        scratch_at = (scratch.ctypes.data + 63) & ~63
         for tile in range(task * per, min((task + 1) * per, n_tiles)):
             n0 = tile * TILE_ROWS
             valid = min(TILE_ROWS, n_rows - n0)
             rec_at = tiles[tile].ctypes.data
             j = 0
             while j < tokens:
-                nt = min(TOKEN_TILE, tokens - j)
-                if nt == 3:
-                    nt = 2
-                _tile_dot(
-                    kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds, ds,
-                    bs_at + j * bss, bss, tmp_at, nt,
-                )  # fmt: skip
+                if amx and tokens - j >= AMX_TOKENS:
+                    nt = AMX_TOKENS
+                    tile_dot_amx(
+                        rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds, ds,
+                        bs_at + j * bss, bss, tmp_at, scratch_at, amx,
+                    )  # fmt: skip
+                else:
+                    nt = min(TOKEN_TILE, tokens - j)
+                    if nt == 3:
+                        nt = 2
+                    _tile_dot(
+                        kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds,
+                        ds, bs_at + j * bss, bss, tmp_at, nt,
+                    )  # fmt: skip
                 for t in range(nt):
                     for r in range(valid):
                         out[j + t, n0 + r] = tmp[16 * t + r]
@@ -529,17 +548,27 @@ _Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
 
 @numba.njit(**JIT, parallel=True)
 def _tile_rows_q4_k(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks)
+    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks, False)
+
+
+@numba.njit(**JIT, parallel=True)
+def _tile_rows_q4_k_amx(tiles, n_rows, q, xd, sums, out, tasks):
+    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks, True)
 
 
 @numba.njit(**JIT, parallel=True)
 def _tile_rows_q6_k(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks)
+    _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks, False)
 
 
-def tile_rows(kind: int, tiles, n_rows, q, xd, sums, out, tasks) -> None:
+def tile_rows(kind: int, tiles, n_rows, q, xd, sums, out, tasks, amx: bool | None = None) -> None:
     """:func:`_tile_rows` for ``kind`` (a ``KBLOCK_CODES`` value), compiled per kind (as
-    kquants.py does for the lane kernel: the kind a constant of each)."""
+    kquants.py does for the lane kernel: the kind a constant of each). Q4_K takes 16
+    tokens at a time to AMX where :func:`~kernels.quant.amx.amx_ready` (which also asks
+    for the tile state) unless told not to (``amx`` False), to the same bits."""
+    if kind == _Q4_K and amx is not False and out.shape[0] >= AMX_TOKENS and amx_ready():
+        _tile_rows_q4_k_amx(tiles, n_rows, q, xd, sums, out, tasks)
+        return
     (_tile_rows_q4_k, _tile_rows_q6_k)[kind](tiles, n_rows, q, xd, sums, out, tasks)
 
 

@@ -1,0 +1,193 @@
+"""Q4_K tiles (:mod:`kernels.quant.tiles`) times 16 tokens on AMX's int8 matrix unit, to
+the bits of the AVX-512 VNNI tile kernel.
+
+Why: the VNNI kernel spends one ``vpdpbusd`` (64 multiply-adds) per 16 rows, 4 elements,
+token and level; compute-bound from a few tokens on, it ran a 512-token prefill of the
+Llama-3.2-1B shape at 90 G multiply-adds a second a core (Sapphire Rapids). One
+``tdpbsud`` multiplies a 16 x 32 tile of int8 activations (16 tokens' elements of one
+sub-block) by 32 x 16 of codes: 8,192 multiply-adds, exact int32 sums, the same sums the
+VNNI kernel forms.
+
+How: the tile records' code lines are already the B tile's layout (VNNI order: a 64-byte
+line is 16 rows x 4 codes), so a run of two sub-blocks is 8 lines, each masked to its low
+and its high nibbles (two B tiles of 8 x 64 bytes, written to a scratch buffer); the A
+tile is 16 tokens' 32 activations of one sub-block and level, loaded with the
+activations' row stride. Four ``tdpbsud`` (two sub-blocks x two levels) fill four C tiles
+of 16 tokens x 16 rows, stored to the scratch, and from there every token takes the VNNI
+kernel's integer and float steps in its order: ``(256 * dot_0 + dot_1) * sc`` summed over
+the run in integers, then float32, then the block's scale and offsets. So a row's bits do
+not depend on which kernel served its token: batches, prompts and decode steps stay
+interchangeable (the invariance tests hold whichever ran).
+
+Where: CPUs with AMX-TILE and AMX-INT8 whose kernel grants this process the tile state
+(``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, Linux), AVX-512 VNNI present
+(the per-token steps); ``FOLIO_AMX=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from kernels.quant.simd import HOST_ISA, I8, I32, I64, _features, _fn, _literal, _vec
+from kernels.quant.superblock import _load
+
+__all__ = ["AMX_TOKENS", "SCRATCH", "amx_ready", "tile_dot_amx"]
+
+AMX_TOKENS = 16  # tokens a call: a C tile's rows
+# scratch bytes a call needs, 64-byte aligned: the tile config, a block's eight B tiles,
+# two runs' four C tiles
+_CFG, _B, _C = 0, 64, 64 + 4096
+SCRATCH = _C + 2 * 4096
+
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether the tile kernel here may take 16 tokens at a time to AMX: the CPU has
+    AMX-TILE and AMX-INT8 (and AVX-512 VNNI), and the kernel granted this process the
+    tile state (asked once; without it the first tile instruction faults)."""
+    if os.environ.get("FOLIO_AMX", "1") == "0" or HOST_ISA != "avx512vnni":
+        return False
+    if not {"amx-tile", "amx-int8"} <= _features() or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _ptr(builder, addr):
+    return builder.inttoptr(addr, ir.PointerType(I8))
+
+
+def _tile_config(builder, at) -> None:
+    """Palette 1: tmm0-3 the C tiles (16 x 64 bytes), tmm4-5 the B tiles (8 x 64), tmm6-7
+    the A tiles (16 x 32)."""
+    cfg = bytearray(64)
+    cfg[0] = 1
+    for t, (rows, colsb) in enumerate([(16, 64)] * 4 + [(8, 64)] * 2 + [(16, 32)] * 2):
+        cfg[16 + 2 * t : 18 + 2 * t] = colsb.to_bytes(2, "little")
+        cfg[48 + t] = rows
+    builder.store(
+        ir.Constant(_vec(I8, 64), list(cfg)),
+        builder.inttoptr(at, ir.PointerType(_vec(I8, 64))),
+        align=64,
+    )
+    load_cfg = _fn(builder, "llvm.x86.ldtilecfg", ir.VoidType(), [ir.PointerType(I8)])
+    builder.call(load_cfg, [_ptr(builder, at)])
+
+
+def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
+    """One Q4_K super-block of the tile at ``r_a`` into 16 tokens' accumulators: the
+    integer sums by ``tdpbsud``, the rest as :func:`kernels.quant.tiles._q4_k_block`.
+
+    Ordered for the matrix unit's latencies: the block's eight B tiles are unpacked
+    first (a tile load waits for the vector stores before it to reach L1), and each run's
+    C tiles are read back by the vector steps one run later (likewise), the next run's
+    tile work issued in between; the A tile alternates between two registers."""
+    from kernels.quant.tiles import _QS, _SC, V16, _bytes16, _const, q4_k_block_end
+
+    b, nt = f.builder, f.nt
+    i8p = ir.PointerType(I8)
+    load_t = _fn(b, "llvm.x86.tileloadd64", ir.VoidType(), [I8, i8p, I64])
+    store_t = _fn(b, "llvm.x86.tilestored64", ir.VoidType(), [I8, i8p, I64])
+    zero_t = _fn(b, "llvm.x86.tilezero", ir.VoidType(), [I8])
+    dot_t = _fn(b, "llvm.x86.tdpbsud", ir.VoidType(), [I8, I8, I8])
+    v16i = _vec(I32, 16)
+    b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
+    low = _const(0x0F0F0F0F)
+    # the block's codes by run and nibble: B tile 2c + h at 512 (2c + h), line k at 64 k
+    for c in range(4):
+        for k in range(8):
+            q = _load(b, b.add(r_a, I64(_QS + 64 * (8 * c + k))), v16i, 64)
+            for h, code in enumerate((b.and_(q, low), b.and_(b.lshr(q, _const(4)), low))):
+                at = b.add(b_at, I64(512 * (2 * c + h) + 64 * k))
+                b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
+
+    def tile_work(c: int) -> None:
+        """Run ``c``'s four products into C tiles 0-3, stored to C area ``c % 2``."""
+        for h in range(2):
+            b.call(load_t, [I8(4 + h), _ptr(b, b.add(b_at, I64(512 * (2 * c + h)))), I64(64)])
+        for tile in range(4):
+            b.call(zero_t, [I8(tile)])
+        e0 = b.add(b.mul(blk, I64(256)), I64(64 * c))
+        for h in range(2):
+            for lvl in range(2):
+                a_at = b.add(f.x_row[0], b.add(e0, I64(32 * h)))
+                if lvl:
+                    a_at = b.add(a_at, f.x_lvl)
+                a_tile = 6 + lvl
+                b.call(load_t, [I8(a_tile), _ptr(b, a_at), x_tok])
+                b.call(dot_t, [I8(2 * h + lvl), I8(a_tile), I8(4 + h)])
+        for tile in range(4):
+            at = b.add(c_at, I64(4096 * (c % 2) + 1024 * tile))
+            b.call(store_t, [I8(tile), _ptr(b, at), I64(64)])
+
+    def token_steps(c: int) -> None:
+        """Run ``c``'s integer and float steps per token, from C area ``c % 2``."""
+        sc_at = b.add(r_a, I64(_SC + 32 * c))
+        sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
+        area = b.add(c_at, I64(4096 * (c % 2)))
+        for t in range(nt):
+            run = None
+            for h in range(2):
+                dot0 = _load(b, b.add(area, I64(1024 * (2 * h) + 64 * t)), v16i, 64)
+                dot1 = _load(b, b.add(area, I64(1024 * (2 * h + 1) + 64 * t)), v16i, 64)
+                s = b.mul(b.add(b.shl(dot0, _const(8)), dot1), sc[h])
+                run = s if run is None else b.add(run, s)
+            fl = b.sitofp(run, V16)
+            b.store(fl if c == 0 else b.fadd(b.load(f.part[t]), fl), f.part[t])
+
+    for c in range(4):
+        tile_work(c)
+        if c:
+            token_steps(c - 1)
+    token_steps(3)
+    q4_k_block_end(f, blk, r_a)
+
+
+@intrinsic
+def tile_dot_amx(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, scratch, on):
+    """:func:`kernels.quant.tiles.tile_dot` for Q4_K and 16 tokens (``out``: float32
+    ``[16, 16]``, 64-byte aligned), the integer sums on AMX (:func:`amx_ready` must hold);
+    ``scratch``: :data:`SCRATCH` bytes, 64-byte aligned. The same bits as ``tile_dot``
+    gives each token. ``on`` (a compile-time bool): False compiles to nothing, so that a
+    kernel with the AMX branch turned off compiles on any CPU."""
+    from kernels.quant.tiles import _Frame
+
+    enabled = _literal(on, (0, 1))
+    if enabled is None:
+        return None
+    u, i = types.uintp, types.intp
+    sig = types.void(u, i, u, i, i, u, i, u, i, u, u, on)
+
+    def codegen(context, builder, signature, args):
+        if not enabled:
+            return context.get_dummy_value()
+        f = _Frame(builder, AMX_TOKENS, args)
+        scratch_at = args[10]
+        _tile_config(builder, builder.add(scratch_at, I64(_CFG)))
+        with cgutils.for_range(builder, f.nblk) as loop:
+            blk = loop.index
+            rec_at = builder.add(f.rec, builder.mul(blk, I64(RECORD_Q4_K)))
+            _q4_k_block_amx(f, blk, rec_at, args[3], scratch_at)
+        f.store_out()
+        builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+RECORD_Q4_K = 2368  # kernels.quant.tiles.RECORD (tiles.py checks it)
