@@ -1,23 +1,28 @@
-"""Q4_K tiles (:mod:`kernels.quant.tiles`) times 16 tokens on AMX's int8 matrix unit, to
-the bits of the AVX-512 VNNI tile kernel.
+"""Q4_K and Q6_K tiles (:mod:`kernels.quant.tiles`) times 16 tokens on AMX's int8 matrix
+unit, to the bits of the AVX-512 VNNI tile kernel.
 
 Why: the VNNI kernel spends one ``vpdpbusd`` (64 multiply-adds) per 16 rows, 4 elements,
 token and level; compute-bound from a few tokens on, it ran a 512-token prefill of the
 Llama-3.2-1B shape at 90 G multiply-adds a second a core (Sapphire Rapids). One
-``tdpbsud`` multiplies a 16 x 32 tile of int8 activations (16 tokens' elements of one
-sub-block) by 32 x 16 of codes: 8,192 multiply-adds, exact int32 sums, the same sums the
-VNNI kernel forms.
+``tdpbsud`` multiplies a tile of 16 tokens' int8 activations of one sub-block by that
+sub-block's codes of 16 rows: exact int32 sums, the same sums the VNNI kernel forms.
 
 How: the tile records' code lines are already the B tile's layout (VNNI order: a 64-byte
-line is 16 rows x 4 codes), so a run of two sub-blocks is 8 lines, each masked to its low
-and its high nibbles (two B tiles of 8 x 64 bytes, written to a scratch buffer); the A
-tile is 16 tokens' 32 activations of one sub-block and level, loaded with the
-activations' row stride. Four ``tdpbsud`` (two sub-blocks x two levels) fill four C tiles
-of 16 tokens x 16 rows, stored to the scratch, and from there every token takes the VNNI
-kernel's integer and float steps in its order: ``(256 * dot_0 + dot_1) * sc`` summed over
-the run in integers, then float32, then the block's scale and offsets. So a row's bits do
-not depend on which kernel served its token: batches, prompts and decode steps stay
-interchangeable (the invariance tests hold whichever ran).
+line is 16 rows x 4 codes). Q4_K: a run of two sub-blocks is 8 lines, each masked to its
+low and its high nibbles (two B tiles of 8 x 64 bytes); Q6_K: a sub-block's four code
+vectors, assembled as the VNNI kernel does, are one B tile of 4 x 64. A block's B tiles
+are written to a scratch buffer first (a tile load waits for the vector stores before it
+to reach L1); the A tile is 16 tokens' activations of one sub-block and level, loaded
+with the activations' row stride. Four ``tdpbsud`` (two sub-blocks x two levels) fill four
+C tiles of 16 tokens x 16 rows, stored to the scratch and read back one step later, and
+from there every token takes the VNNI kernel's integer and float steps in its order. So
+a row's bits do not depend on which kernel served its token: batches, prompts and decode
+steps stay interchangeable (the invariance tests hold whichever ran).
+
+Measured (8192 x 2048 Q4_K, two threads of a Sapphire Rapids VM): 16 / 32 / 128 tokens
+at 227 / 239 / 261 G multiply-adds a second against 111 / 175 / 177 through VNNI; the
+per-token integer and float steps (16 tokens' worth per tile product) are now most of
+the time.
 
 Where: CPUs with AMX-TILE and AMX-INT8 whose kernel grants this process the tile state
 (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, Linux), AVX-512 VNNI present
@@ -36,7 +41,8 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.simd import HOST_ISA, I8, I32, I64, _features, _fn, _literal, _vec
+from kernels.quant import tile_layout as layout
+from kernels.quant.simd import HOST_ISA, I8, I32, I64, _features, _fma, _fn, _literal, _vec
 from kernels.quant.superblock import _load
 
 __all__ = ["AMX_TOKENS", "SCRATCH", "amx_ready", "tile_dot_amx"]
@@ -72,12 +78,13 @@ def _ptr(builder, addr):
     return builder.inttoptr(addr, ir.PointerType(I8))
 
 
-def _tile_config(builder, at) -> None:
-    """Palette 1: tmm0-3 the C tiles (16 x 64 bytes), tmm4-5 the B tiles (8 x 64), tmm6-7
-    the A tiles (16 x 32)."""
+def _tile_config(builder, at, k: int) -> None:
+    """Palette 1: tmm0-3 the C tiles (16 x 64 bytes), tmm4-5 the B tiles (``k / 4`` x 64:
+    ``k`` elements of 16 rows), tmm6-7 the A tiles (16 tokens x ``k``): ``k`` 32 for
+    Q4_K's sub-blocks, 16 for Q6_K's."""
     cfg = bytearray(64)
     cfg[0] = 1
-    for t, (rows, colsb) in enumerate([(16, 64)] * 4 + [(8, 64)] * 2 + [(16, 32)] * 2):
+    for t, (rows, colsb) in enumerate([(16, 64)] * 4 + [(k // 4, 64)] * 2 + [(16, k)] * 2):
         cfg[16 + 2 * t : 18 + 2 * t] = colsb.to_bytes(2, "little")
         cfg[48 + t] = rows
     builder.store(
@@ -89,6 +96,38 @@ def _tile_config(builder, at) -> None:
     builder.call(load_cfg, [_ptr(builder, at)])
 
 
+class _Tiles:
+    """The tile instructions, declared in the module being built."""
+
+    def __init__(self, b):
+        i8p = ir.PointerType(I8)
+        self.b = b
+        self.load = _fn(b, "llvm.x86.tileloadd64", ir.VoidType(), [I8, i8p, I64])
+        self.store = _fn(b, "llvm.x86.tilestored64", ir.VoidType(), [I8, i8p, I64])
+        self.zero = _fn(b, "llvm.x86.tilezero", ir.VoidType(), [I8])
+        self.dot = _fn(b, "llvm.x86.tdpbsud", ir.VoidType(), [I8, I8, I8])
+
+    def products(self, f, x_tok, b_tiles, a_elems, c_area) -> None:
+        """Two sub-blocks' products, both levels: B tiles from ``b_tiles`` (two
+        addresses), A tiles 16 tokens' activations from element offsets ``a_elems`` (two),
+        C tile ``2 h + lvl`` stored to ``c_area + 1024 (2 h + lvl)``."""
+        b = self.b
+        for h in range(2):
+            b.call(self.load, [I8(4 + h), _ptr(b, b_tiles[h]), I64(64)])
+        for tile in range(4):
+            b.call(self.zero, [I8(tile)])
+        for h in range(2):
+            for lvl in range(2):
+                a_at = b.add(f.x_row[0], a_elems[h])
+                if lvl:
+                    a_at = b.add(a_at, f.x_lvl)
+                b.call(self.load, [I8(6 + lvl), _ptr(b, a_at), x_tok])
+                b.call(self.dot, [I8(2 * h + lvl), I8(6 + lvl), I8(4 + h)])
+        for tile in range(4):
+            at = b.add(c_area, I64(1024 * tile))
+            b.call(self.store, [I8(tile), _ptr(b, at), I64(64)])
+
+
 def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     """One Q4_K super-block of the tile at ``r_a`` into 16 tokens' accumulators: the
     integer sums by ``tdpbsud``, the rest as :func:`kernels.quant.tiles._q4_k_block`.
@@ -97,57 +136,44 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     first (a tile load waits for the vector stores before it to reach L1), and each run's
     C tiles are read back by the vector steps one run later (likewise), the next run's
     tile work issued in between; the A tile alternates between two registers."""
-    from kernels.quant.tiles import _QS, _SC, V16, _bytes16, _const, q4_k_block_end
-
     b, nt = f.builder, f.nt
-    i8p = ir.PointerType(I8)
-    load_t = _fn(b, "llvm.x86.tileloadd64", ir.VoidType(), [I8, i8p, I64])
-    store_t = _fn(b, "llvm.x86.tilestored64", ir.VoidType(), [I8, i8p, I64])
-    zero_t = _fn(b, "llvm.x86.tilezero", ir.VoidType(), [I8])
-    dot_t = _fn(b, "llvm.x86.tdpbsud", ir.VoidType(), [I8, I8, I8])
     v16i = _vec(I32, 16)
     b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
-    low = _const(0x0F0F0F0F)
+    low = layout._const(0x0F0F0F0F)
     # the block's codes by run and nibble: B tile 2c + h at 512 (2c + h), line k at 64 k
     for c in range(4):
         for k in range(8):
-            q = _load(b, b.add(r_a, I64(_QS + 64 * (8 * c + k))), v16i, 64)
-            for h, code in enumerate((b.and_(q, low), b.and_(b.lshr(q, _const(4)), low))):
+            q = _load(b, b.add(r_a, I64(layout._QS + 64 * (8 * c + k))), v16i, 64)
+            for h, code in enumerate((b.and_(q, low), b.and_(b.lshr(q, layout._const(4)), low))):
                 at = b.add(b_at, I64(512 * (2 * c + h) + 64 * k))
                 b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
 
+    tiles = _Tiles(b)
+
     def tile_work(c: int) -> None:
-        """Run ``c``'s four products into C tiles 0-3, stored to C area ``c % 2``."""
-        for h in range(2):
-            b.call(load_t, [I8(4 + h), _ptr(b, b.add(b_at, I64(512 * (2 * c + h)))), I64(64)])
-        for tile in range(4):
-            b.call(zero_t, [I8(tile)])
+        """Run ``c``'s four products into C area ``c % 2``."""
         e0 = b.add(b.mul(blk, I64(256)), I64(64 * c))
-        for h in range(2):
-            for lvl in range(2):
-                a_at = b.add(f.x_row[0], b.add(e0, I64(32 * h)))
-                if lvl:
-                    a_at = b.add(a_at, f.x_lvl)
-                a_tile = 6 + lvl
-                b.call(load_t, [I8(a_tile), _ptr(b, a_at), x_tok])
-                b.call(dot_t, [I8(2 * h + lvl), I8(a_tile), I8(4 + h)])
-        for tile in range(4):
-            at = b.add(c_at, I64(4096 * (c % 2) + 1024 * tile))
-            b.call(store_t, [I8(tile), _ptr(b, at), I64(64)])
+        tiles.products(
+            f,
+            x_tok,
+            [b.add(b_at, I64(512 * (2 * c + h))) for h in range(2)],
+            [b.add(e0, I64(32 * h)) for h in range(2)],
+            b.add(c_at, I64(4096 * (c % 2))),
+        )
 
     def token_steps(c: int) -> None:
         """Run ``c``'s integer and float steps per token, from C area ``c % 2``."""
-        sc_at = b.add(r_a, I64(_SC + 32 * c))
-        sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
+        sc_at = b.add(r_a, I64(layout._SC + 32 * c))
+        sc = [layout._bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
         area = b.add(c_at, I64(4096 * (c % 2)))
         for t in range(nt):
             run = None
             for h in range(2):
                 dot0 = _load(b, b.add(area, I64(1024 * (2 * h) + 64 * t)), v16i, 64)
                 dot1 = _load(b, b.add(area, I64(1024 * (2 * h + 1) + 64 * t)), v16i, 64)
-                s = b.mul(b.add(b.shl(dot0, _const(8)), dot1), sc[h])
+                s = b.mul(b.add(b.shl(dot0, layout._const(8)), dot1), sc[h])
                 run = s if run is None else b.add(run, s)
-            fl = b.sitofp(run, V16)
+            fl = b.sitofp(run, layout.V16)
             b.store(fl if c == 0 else b.fadd(b.load(f.part[t]), fl), f.part[t])
 
     for c in range(4):
@@ -155,39 +181,102 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
         if c:
             token_steps(c - 1)
     token_steps(3)
-    q4_k_block_end(f, blk, r_a)
+    layout.q4_k_block_end(f, blk, r_a)
+
+
+def _q6_k_block_amx(f, blk, r_a, x_tok, scratch):
+    """One Q6_K super-block of the tile at ``r_a`` into 16 tokens' accumulators: the
+    integer sums by ``tdpbsud`` (K = 16: a sub-block's four code vectors are a B tile),
+    the rest as :func:`kernels.quant.tiles._q6_k_block`, in its order; laid out as
+    :func:`_q4_k_block_amx` (pairs of sub-blocks for its runs)."""
+    b, nt = f.builder, f.nt
+    v16i = _vec(I32, 16)
+    b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
+    low, top = layout._const(0x0F0F0F0F), layout._const(0x30303030)
+    lshr, shl, and_, or_ = b.lshr, b.shl, b.and_, b.or_
+    for sb in range(16):  # B tile sb at 256 sb: its code vectors u at 64 u
+        ql = b.add(r_a, I64(layout._QL6 + 128 * sb))
+        lo = _load(b, ql, v16i, 64)
+        hi = _load(b, b.add(ql, I64(64)), v16i, 64)
+        qh = _load(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), v16i, 64)
+        codes = (
+            or_(and_(lo, low), and_(shl(qh, layout._const(4)), top)),
+            or_(and_(lshr(lo, layout._const(4)), low), and_(shl(qh, layout._const(2)), top)),
+            or_(and_(hi, low), and_(qh, top)),
+            or_(and_(lshr(hi, layout._const(4)), low), and_(lshr(qh, layout._const(2)), top)),
+        )
+        for u, code in enumerate(codes):
+            at = b.add(b_at, I64(256 * sb + 64 * u))
+            b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
+    tiles = _Tiles(b)
+    e0 = b.mul(blk, I64(256))
+    for t in range(nt):
+        b.store(ir.Constant(layout.V16, None), f.part[t])
+
+    def tile_work(p: int) -> None:
+        """Sub-blocks 2p and 2p + 1 into C area ``p % 2``."""
+        tiles.products(
+            f,
+            x_tok,
+            [b.add(b_at, I64(256 * (2 * p + h))) for h in range(2)],
+            [b.add(e0, I64(16 * (2 * p + h))) for h in range(2)],
+            b.add(c_at, I64(4096 * (p % 2))),
+        )
+
+    def token_steps(p: int) -> None:
+        area = b.add(c_at, I64(4096 * (p % 2)))
+        for h in range(2):
+            sb = 2 * p + h
+            scf = b.sitofp(
+                _load(b, b.add(r_a, I64(layout._SC6 + 16 * sb)), _vec(I8, 16), 16), layout.V16
+            )
+            for t in range(nt):
+                dot0 = _load(b, b.add(area, I64(1024 * (2 * h) + 64 * t)), v16i, 64)
+                dot1 = _load(b, b.add(area, I64(1024 * (2 * h + 1) + 64 * t)), v16i, 64)
+                v = b.add(b.shl(dot0, layout._const(8)), dot1)
+                v = b.sub(v, f.sum_at(t, b.add(b.mul(blk, I64(64)), I64(4 * sb))))
+                b.store(_fma(b, b.sitofp(v, layout.V16), scf, b.load(f.part[t])), f.part[t])
+
+    for p in range(8):
+        tile_work(p)
+        if p:
+            token_steps(p - 1)
+    token_steps(7)
+    d = layout._halves(b, b.add(r_a, I64(layout._D6)))
+    for t in range(nt):
+        a = _fma(b, b.load(f.part[t]), b.fmul(d, f.scale(blk, t)), b.load(f.acc[t]))
+        b.store(a, f.acc[t])
 
 
 @intrinsic
-def tile_dot_amx(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, scratch, on):
-    """:func:`kernels.quant.tiles.tile_dot` for Q4_K and 16 tokens (``out``: float32
-    ``[16, 16]``, 64-byte aligned), the integer sums on AMX (:func:`amx_ready` must hold);
-    ``scratch``: :data:`SCRATCH` bytes, 64-byte aligned. The same bits as ``tile_dot``
-    gives each token. ``on`` (a compile-time bool): False compiles to nothing, so that a
-    kernel with the AMX branch turned off compiles on any CPU."""
-    from kernels.quant.tiles import _Frame
-
-    enabled = _literal(on, (0, 1))
-    if enabled is None:
+def tile_dot_amx(
+    typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out, scratch, kind, on
+):
+    """:func:`kernels.quant.tiles.tile_dot` for 16 tokens (``out``: float32 ``[16, 16]``,
+    64-byte aligned), the integer sums on AMX (:func:`amx_ready` must hold); ``scratch``:
+    :data:`SCRATCH` bytes, 64-byte aligned; ``kind`` a compile-time ``KBLOCK_CODES``
+    value. The same bits as ``tile_dot`` gives each token. ``on`` (a compile-time bool):
+    False compiles to nothing, so that a kernel with the AMX branch turned off compiles
+    on any CPU."""
+    enabled, code = _literal(on, (0, 1)), _literal(kind, (0, 1))
+    if enabled is None or code is None:
         return None
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, u, i, u, u, on)
+    sig = types.void(u, i, u, i, i, u, i, u, i, u, u, kind, on)
+    block, k = ((_q4_k_block_amx, 32), (_q6_k_block_amx, 16))[code]
 
     def codegen(context, builder, signature, args):
         if not enabled:
             return context.get_dummy_value()
-        f = _Frame(builder, AMX_TOKENS, args)
+        f = layout._Frame(builder, AMX_TOKENS, args)
         scratch_at = args[10]
-        _tile_config(builder, builder.add(scratch_at, I64(_CFG)))
+        _tile_config(builder, builder.add(scratch_at, I64(_CFG)), k)
         with cgutils.for_range(builder, f.nblk) as loop:
             blk = loop.index
-            rec_at = builder.add(f.rec, builder.mul(blk, I64(RECORD_Q4_K)))
-            _q4_k_block_amx(f, blk, rec_at, args[3], scratch_at)
+            rec_at = builder.add(f.rec, builder.mul(blk, I64(layout.RECORDS[code])))
+            block(f, blk, rec_at, args[3], scratch_at)
         f.store_out()
         builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-RECORD_Q4_K = 2368  # kernels.quant.tiles.RECORD (tiles.py checks it)

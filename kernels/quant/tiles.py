@@ -45,22 +45,41 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from kernels.quant.amx import AMX_TOKENS, RECORD_Q4_K, SCRATCH, amx_ready, tile_dot_amx
+from kernels.quant.amx import AMX_TOKENS, SCRATCH, amx_ready, tile_dot_amx
 from kernels.quant.blocks import INLINE, JIT
 from kernels.quant.simd import (
-    F32,
     HOST_ISA,
     I8,
-    I16,
     I32,
     I64,
     _fma,
-    _fn,
     _literal,
     _vec,
     stream_ahead,
 )
-from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load, _splat
+from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load
+from kernels.quant.tile_layout import (
+    _D,
+    _D6,
+    _DMIN,
+    _MIN,
+    _QH6,
+    _QL6,
+    _QS,
+    _SC,
+    _SC6,
+    Q4_K_BLOCK,
+    Q6_K_BLOCK,
+    RECORD,
+    RECORD6,
+    RECORDS,
+    V16,
+    _bytes16,
+    _const,
+    _Frame,
+    _halves,
+    q4_k_block_end,
+)
 
 __all__ = [
     "RECORD",
@@ -78,23 +97,6 @@ TILE_ROWS = 16  # weight rows per tile: one int32 lane each of a 512-bit vector
 # tokens whose accumulators stay in registers: per token, two levels x two nibbles of
 # int32 sums (16 of the 32 vector registers at 4), its run's sum, its float accumulator
 TOKEN_TILE = 4
-# bytes of a super-block in the file, by kind
-Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6_K"))
-# A tile's record per super-block: d[16] f16, dmin[16] f16, scales[8][16] u8,
-# mins[8][16] u8, then the codes: 64 bytes per (c, k), c < 4 the 64-element group, k < 8,
-# row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
-_D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
-RECORD = _QS + 32 * 64
-assert RECORD == RECORD_Q4_K
-# Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
-# vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
-# vectors 4s, 4s + 1 in the low and high nibbles of the first, 4s + 2, 4s + 3 of the
-# second), and one of their high two bits (byte i of row r's dword: element i of vector
-# 4s + u at bits 2u, 2u + 1). 3,360 bytes as in the file, padded to 64-byte lines.
-_D6, _SC6, _QL6, _QH6 = 0, 32, 320, 320 + 2048
-RECORD6 = _QH6 + 1024
-# a record's bytes by kind code (superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
-RECORDS = (RECORD, RECORD6)
 # names this layout and its arithmetic: tiles kept on disk and K/V pages computed with
 # them are reused only under the same (engine/model/tile_cache.py, the fingerprint)
 TILES_FORMAT = "tiles1"
@@ -253,77 +255,6 @@ def repack_parts(
     return out
 
 
-class _Frame:
-    """What the tile kernels' code shares: their arguments (:func:`tile_dot`), each
-    token's rows, float accumulators and int32 dot products in registers."""
-
-    def __init__(self, builder, nt: int, args):
-        self.builder, self.nt = builder, nt
-        self.rec, self.nblk, x, x_tok, self.x_lvl, xd, xd_tok, bs, bs_tok, self.out = args[:10]
-        v16i = _vec(I32, 16)
-        self.dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i, [v16i, v16i, v16i])
-        self.acc, self.part = self.slots(V16), self.slots(V16)
-
-        def rows(at, step):
-            return [builder.add(at, builder.mul(step, I64(t))) for t in range(nt)]
-
-        self.x_row, self.xd_row, self.bs_row = rows(x, x_tok), rows(xd, xd_tok), rows(bs, bs_tok)
-
-    def slots(self, t: ir.Type) -> list:
-        """One register-promoted variable of type ``t`` per token, zeroed."""
-        return [
-            cgutils.alloca_once_value(self.builder, ir.Constant(t, None)) for _ in range(self.nt)
-        ]
-
-    def dot(self, dots: list, codes, blk, at):
-        """``dots[lvl][t] += vpdpbusd(codes, token t's 4 int8 of level lvl)``, from
-        element ``at`` of block ``blk``."""
-        b = self.builder
-        for lvl in range(2):
-            for t in range(self.nt):
-                x = b.add(b.add(self.x_row[t], b.mul(blk, I64(256))), at)
-                if lvl:
-                    x = b.add(x, self.x_lvl)
-                xv = _splat(b, _load(b, x, I32, 4), 16)
-                prev = b.load(dots[lvl][t])
-                b.store(b.call(self.dpbusd, [prev, codes, xv]), dots[lvl][t])
-
-    def scale(self, blk, t: int):
-        """Token ``t``'s second-level scale of block ``blk``, in every lane."""
-        b = self.builder
-        return _splat(b, _load(b, b.add(self.xd_row[t], b.mul(blk, I64(4))), F32, 4), 16)
-
-    def sum_at(self, t: int, offset):
-        """Token ``t``'s int32 sum ``offset`` bytes into its sums, in every lane."""
-        b = self.builder
-        return _splat(b, _load(b, b.add(self.bs_row[t], offset), I32, 4), 16)
-
-    def store_out(self):
-        b = self.builder
-        for t in range(self.nt):
-            dst = b.inttoptr(b.add(self.out, I64(64 * t)), ir.PointerType(V16))
-            b.store(b.load(self.acc[t]), dst, align=64)
-
-
-V16 = _vec(F32, 16)
-
-
-def _const(v: int):
-    return ir.Constant(_vec(I32, 16), [v] * 16)
-
-
-def _halves(builder, addr):
-    """16 IEEE halves at ``addr`` as float32."""
-    h = _load(builder, addr, _vec(I16, 16), 32)
-    return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), 16)), V16)
-
-
-def _bytes16(builder, addr, signed: bool = False):
-    """16 bytes at ``addr`` widened to int32."""
-    v = _load(builder, addr, _vec(I8, 16), 16)
-    return builder.sext(v, _vec(I32, 16)) if signed else builder.zext(v, _vec(I32, 16))
-
-
 def _q4_k_block(f: _Frame, blk, r_a):
     """One Q4_K super-block of the tile at ``r_a`` into each token's accumulator."""
     b, nt = f.builder, f.nt
@@ -361,25 +292,6 @@ def _q4_k_block(f: _Frame, blk, r_a):
             fl = b.sitofp(run, V16)
             b.store(b.select(first, fl, b.fadd(b.load(f.part[t]), fl)), f.part[t])
     q4_k_block_end(f, blk, r_a)
-
-
-def q4_k_block_end(f: _Frame, blk, r_a):
-    """A Q4_K super-block's float steps once its runs are summed into ``f.part``: each
-    token's ``acc = fma(part, d * xd, acc)``, then its offsets (``mins`` times the
-    activations' paired sums, in integers) ``acc = fma(float(.), -(dmin * xd), acc)``."""
-    b, nt = f.builder, f.nt
-    d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
-    mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
-    for t in range(nt):
-        xd_v = f.scale(blk, t)
-        a = _fma(b, b.load(f.part[t]), b.fmul(d, xd_v), b.load(f.acc[t]))
-        sums = b.mul(blk, I64(32))
-        imin = None
-        for s in range(8):
-            m = b.mul(mins[s], f.sum_at(t, b.add(sums, I64(4 * s))))
-            imin = m if imin is None else b.add(imin, m)
-        fm = b.fneg(b.fmul(dmin, xd_v))
-        b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
 
 
 def _q6_k_block(f: _Frame, blk, r_a):
@@ -527,7 +439,7 @@ def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks, amx):
                     nt = AMX_TOKENS
                     tile_dot_amx(
                         rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds, ds,
-                        bs_at + j * bss, bss, tmp_at, scratch_at, amx,
+                        bs_at + j * bss, bss, tmp_at, scratch_at, kind, amx,
                     )  # fmt: skip
                 else:
                     nt = min(TOKEN_TILE, tokens - j)
@@ -561,13 +473,18 @@ def _tile_rows_q6_k(tiles, n_rows, q, xd, sums, out, tasks):
     _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks, False)
 
 
+@numba.njit(**JIT, parallel=True)
+def _tile_rows_q6_k_amx(tiles, n_rows, q, xd, sums, out, tasks):
+    _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks, True)
+
+
 def tile_rows(kind: int, tiles, n_rows, q, xd, sums, out, tasks, amx: bool | None = None) -> None:
     """:func:`_tile_rows` for ``kind`` (a ``KBLOCK_CODES`` value), compiled per kind (as
-    kquants.py does for the lane kernel: the kind a constant of each). Q4_K takes 16
+    kquants.py does for the lane kernel: the kind a constant of each). Both take 16
     tokens at a time to AMX where :func:`~kernels.quant.amx.amx_ready` (which also asks
     for the tile state) unless told not to (``amx`` False), to the same bits."""
-    if kind == _Q4_K and amx is not False and out.shape[0] >= AMX_TOKENS and amx_ready():
-        _tile_rows_q4_k_amx(tiles, n_rows, q, xd, sums, out, tasks)
+    if amx is not False and out.shape[0] >= AMX_TOKENS and amx_ready():
+        (_tile_rows_q4_k_amx, _tile_rows_q6_k_amx)[kind](tiles, n_rows, q, xd, sums, out, tasks)
         return
     (_tile_rows_q4_k, _tile_rows_q6_k)[kind](tiles, n_rows, q, xd, sums, out, tasks)
 

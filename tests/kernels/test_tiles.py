@@ -185,38 +185,47 @@ def test_a_loaded_models_repacked_file_bytes_leave_the_resident_set(tmp_path):
 
 
 @pytest.mark.skipif(not amx_ready(), reason="no AMX-INT8 here, or the tile state was refused")
+@pytest.mark.parametrize("qtype", KINDS)
 @pytest.mark.parametrize("tokens", [16, 21, 40])
-def test_amx_gives_q4_k_tiles_the_vnni_kernels_bits(tokens):
-    """On AMX, Q4_K tiles take 16 tokens at a time to the matrix unit: every token's
+def test_amx_gives_the_tiles_the_vnni_kernels_bits(qtype, tokens):
+    """On AMX the tiles take 16 tokens at a time to the matrix unit: every token's
     result is the VNNI kernel's, bit for bit (the same integer sums, the same float
-    steps), and matches the dequantized product; extreme codes and activations too."""
+    steps in the same order), and matches the dequantized product; extreme codes,
+    scales and activations too."""
+    code = KBLOCK_CODES[qtype.name]
+
+    def both(raw, x):
+        tiles = repack_parts([raw], qtype.name)
+        act = quantize_super_blocks(x, levels=2)
+        sums = tile_sums(qtype.name, act)
+        outs = []
+        for amx in (None, False):  # None: AMX, as the model's projections take it
+            out = np.full((len(x), len(raw)), np.nan, np.float32)
+            tile_rows(code, tiles, len(raw), act.q, act.d, sums, out, 2, amx=amx)
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1])
+        return outs[0], act
+
     rng = np.random.default_rng(tokens)
-    raw = random_blocks(Q.Q4_K, 37, K, rng)
-    tiles = repack_parts([raw], "Q4_K")
-    x = rng.standard_normal((tokens, K)).astype(np.float32)
-    act = quantize_super_blocks(x, levels=2)
-    sums = tile_sums("Q4_K", act)
-    outs = []
-    for amx in (True, False):
-        out = np.full((tokens, 37), np.nan, np.float32)
-        tile_rows(KBLOCK_CODES["Q4_K"], tiles, 37, act.q, act.d, sums, out, 2, amx=amx)
-        outs.append(out)
-    assert np.array_equal(outs[0], outs[1])
-    w = reference_dequantize(raw, Q.Q4_K, (37, K)).astype(np.float64)
+    raw = random_blocks(qtype, 37, K, rng)
+    out, act = both(raw, rng.standard_normal((tokens, K)).astype(np.float32))
+    w = reference_dequantize(raw, qtype, (37, K)).astype(np.float64)
     ref = _exact(act, tokens) @ w.T
     scale = np.abs(_exact(act, tokens)) @ np.abs(w).T
-    assert np.abs(outs[0] - ref).max() / scale.max() < 1e-6
-    # every code 15, every scale and min 63, activations at the int8 extremes
-    blocks = raw.reshape(37, -1, 144)
-    blocks[:, :, 0:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
-    blocks[:, :, 4:] = 0xFF
-    tiles = repack_parts([raw], "Q4_K")
+    assert np.abs(out - ref).max() / scale.max() < 1e-6
+    # Q4_K: every code 15, every scale and min 63; Q6_K: every code 0, every scale -128
+    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:
+        blocks = raw.reshape(37, -1, 144)
+        blocks[:, :, 0:2] = half
+        blocks[:, :, 4:] = 0xFF
+    else:
+        blocks = raw.reshape(37, -1, 210)
+        blocks[:, :, :192] = 0
+        blocks[:, :, 192:208] = 0x80
+        blocks[:, :, 208:210] = half
     x = np.full((tokens, K), 3.0, np.float32)
     x[1::2, ::2] = -3.0
-    extreme = [_product(tiles, 37, x)[0]]
-    act = quantize_super_blocks(x, levels=2)
-    out = np.empty((tokens, 37), np.float32)
-    tile_rows(
-        KBLOCK_CODES["Q4_K"], tiles, 37, act.q, act.d, tile_sums("Q4_K", act), out, 2, amx=False
-    )
-    assert np.array_equal(extreme[0], out)
+    out, act = both(raw, x)
+    ref = _exact(act, tokens) @ reference_dequantize(raw, qtype, (37, K)).astype(np.float64).T
+    assert np.allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())

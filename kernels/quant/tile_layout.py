@@ -1,0 +1,121 @@
+"""What the tile kernels' code generators share (:mod:`kernels.quant.tiles` on AVX-512
+VNNI, :mod:`kernels.quant.amx` on AMX): the tile records' layout, the frame of a kernel
+call (its arguments, each token's rows and accumulators), and the float steps that end a
+Q4_K super-block, so that both kernels take them in one order and give a row the same
+bits.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from kernels.quant.simd import F32, I8, I16, I32, I64, _fma, _fn, _vec
+from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load, _splat
+
+# bytes of a super-block in the file, by kind
+Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6_K"))
+# A tile's record per super-block: d[16] f16, dmin[16] f16, scales[8][16] u8,
+# mins[8][16] u8, then the codes: 64 bytes per (c, k), c < 4 the 64-element group, k < 8,
+# row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
+_D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
+RECORD = _QS + 32 * 64
+# Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
+# vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
+# vectors 4s, 4s + 1 in the low and high nibbles of the first, 4s + 2, 4s + 3 of the
+# second), and one of their high two bits (byte i of row r's dword: element i of vector
+# 4s + u at bits 2u, 2u + 1). 3,360 bytes as in the file, padded to 64-byte lines.
+_D6, _SC6, _QL6, _QH6 = 0, 32, 320, 320 + 2048
+RECORD6 = _QH6 + 1024
+# a record's bytes by kind code (superblock.KBLOCK_CODES: Q4_K 0, Q6_K 1)
+RECORDS = (RECORD, RECORD6)
+
+
+class _Frame:
+    """What the tile kernels' code shares: their arguments (:func:`tile_dot`), each
+    token's rows, float accumulators and int32 dot products in registers."""
+
+    def __init__(self, builder, nt: int, args):
+        self.builder, self.nt = builder, nt
+        self.rec, self.nblk, x, x_tok, self.x_lvl, xd, xd_tok, bs, bs_tok, self.out = args[:10]
+        v16i = _vec(I32, 16)
+        self.dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i, [v16i, v16i, v16i])
+        self.acc, self.part = self.slots(V16), self.slots(V16)
+
+        def rows(at, step):
+            return [builder.add(at, builder.mul(step, I64(t))) for t in range(nt)]
+
+        self.x_row, self.xd_row, self.bs_row = rows(x, x_tok), rows(xd, xd_tok), rows(bs, bs_tok)
+
+    def slots(self, t: ir.Type) -> list:
+        """One register-promoted variable of type ``t`` per token, zeroed."""
+        return [
+            cgutils.alloca_once_value(self.builder, ir.Constant(t, None)) for _ in range(self.nt)
+        ]
+
+    def dot(self, dots: list, codes, blk, at):
+        """``dots[lvl][t] += vpdpbusd(codes, token t's 4 int8 of level lvl)``, from
+        element ``at`` of block ``blk``."""
+        b = self.builder
+        for lvl in range(2):
+            for t in range(self.nt):
+                x = b.add(b.add(self.x_row[t], b.mul(blk, I64(256))), at)
+                if lvl:
+                    x = b.add(x, self.x_lvl)
+                xv = _splat(b, _load(b, x, I32, 4), 16)
+                prev = b.load(dots[lvl][t])
+                b.store(b.call(self.dpbusd, [prev, codes, xv]), dots[lvl][t])
+
+    def scale(self, blk, t: int):
+        """Token ``t``'s second-level scale of block ``blk``, in every lane."""
+        b = self.builder
+        return _splat(b, _load(b, b.add(self.xd_row[t], b.mul(blk, I64(4))), F32, 4), 16)
+
+    def sum_at(self, t: int, offset):
+        """Token ``t``'s int32 sum ``offset`` bytes into its sums, in every lane."""
+        b = self.builder
+        return _splat(b, _load(b, b.add(self.bs_row[t], offset), I32, 4), 16)
+
+    def store_out(self):
+        b = self.builder
+        for t in range(self.nt):
+            dst = b.inttoptr(b.add(self.out, I64(64 * t)), ir.PointerType(V16))
+            b.store(b.load(self.acc[t]), dst, align=64)
+
+
+V16 = _vec(F32, 16)
+
+
+def _const(v: int):
+    return ir.Constant(_vec(I32, 16), [v] * 16)
+
+
+def _halves(builder, addr):
+    """16 IEEE halves at ``addr`` as float32."""
+    h = _load(builder, addr, _vec(I16, 16), 32)
+    return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), 16)), V16)
+
+
+def _bytes16(builder, addr, signed: bool = False):
+    """16 bytes at ``addr`` widened to int32."""
+    v = _load(builder, addr, _vec(I8, 16), 16)
+    return builder.sext(v, _vec(I32, 16)) if signed else builder.zext(v, _vec(I32, 16))
+
+
+def q4_k_block_end(f: _Frame, blk, r_a):
+    """A Q4_K super-block's float steps once its runs are summed into ``f.part``: each
+    token's ``acc = fma(part, d * xd, acc)``, then its offsets (``mins`` times the
+    activations' paired sums, in integers) ``acc = fma(float(.), -(dmin * xd), acc)``."""
+    b, nt = f.builder, f.nt
+    d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
+    mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
+    for t in range(nt):
+        xd_v = f.scale(blk, t)
+        a = _fma(b, b.load(f.part[t]), b.fmul(d, xd_v), b.load(f.acc[t]))
+        sums = b.mul(blk, I64(32))
+        imin = None
+        for s in range(8):
+            m = b.mul(mins[s], f.sum_at(t, b.add(sums, I64(4 * s))))
+            imin = m if imin is None else b.add(imin, m)
+        fm = b.fneg(b.fmul(dmin, xd_v))
+        b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
