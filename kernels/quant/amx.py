@@ -139,12 +139,11 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     b, nt = f.builder, f.nt
     v16i = _vec(I32, 16)
     b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
-    low = layout._const(0x0F0F0F0F)
     # the block's codes by run and nibble: B tile 2c + h at 512 (2c + h), line k at 64 k
     for c in range(4):
         for k in range(8):
             q = _load(b, b.add(r_a, I64(layout._QS + 64 * (8 * c + k))), v16i, 64)
-            for h, code in enumerate((b.and_(q, low), b.and_(b.lshr(q, layout._const(4)), low))):
+            for h, code in enumerate(layout.q4_k_nibbles(b, q)):
                 at = b.add(b_at, I64(512 * (2 * c + h) + 64 * k))
                 b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
 
@@ -192,20 +191,12 @@ def _q6_k_block_amx(f, blk, r_a, x_tok, scratch):
     b, nt = f.builder, f.nt
     v16i = _vec(I32, 16)
     b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
-    low, top = layout._const(0x0F0F0F0F), layout._const(0x30303030)
-    lshr, shl, and_, or_ = b.lshr, b.shl, b.and_, b.or_
     for sb in range(16):  # B tile sb at 256 sb: its code vectors u at 64 u
         ql = b.add(r_a, I64(layout._QL6 + 128 * sb))
         lo = _load(b, ql, v16i, 64)
         hi = _load(b, b.add(ql, I64(64)), v16i, 64)
         qh = _load(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), v16i, 64)
-        codes = (
-            or_(and_(lo, low), and_(shl(qh, layout._const(4)), top)),
-            or_(and_(lshr(lo, layout._const(4)), low), and_(shl(qh, layout._const(2)), top)),
-            or_(and_(hi, low), and_(qh, top)),
-            or_(and_(lshr(hi, layout._const(4)), low), and_(lshr(qh, layout._const(2)), top)),
-        )
-        for u, code in enumerate(codes):
+        for u, code in enumerate(layout.q6_k_codes(b, lo, hi, qh)):
             at = b.add(b_at, I64(256 * sb + 64 * u))
             b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
     tiles = _Tiles(b)

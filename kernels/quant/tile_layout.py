@@ -119,3 +119,23 @@ def q4_k_block_end(f: _Frame, blk, r_a):
             imin = m if imin is None else b.add(imin, m)
         fm = b.fneg(b.fmul(dmin, xd_v))
         b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
+
+
+def q4_k_nibbles(b, q) -> tuple:
+    """A Q4_K code line (16 rows x 4 bytes) as its low and its high nibbles: the codes of
+    sub-blocks 2c and 2c + 1 (:data:`RECORD`)."""
+    low = _const(0x0F0F0F0F)
+    return b.and_(q, low), b.and_(b.lshr(q, _const(4)), low)
+
+
+def q6_k_codes(b, lo, hi, qh) -> tuple:
+    """A Q6_K sub-block's four code vectors 4 sb + u (16 rows x 4 codes each) from its two
+    vectors of low nibbles and one of high bits (:data:`RECORD6`)."""
+    low, top = _const(0x0F0F0F0F), _const(0x30303030)
+    lshr, shl, and_, or_ = b.lshr, b.shl, b.and_, b.or_
+    return (
+        or_(and_(lo, low), and_(shl(qh, _const(4)), top)),
+        or_(and_(lshr(lo, _const(4)), low), and_(shl(qh, _const(2)), top)),
+        or_(and_(hi, low), and_(qh, top)),
+        or_(and_(lshr(hi, _const(4)), low), and_(lshr(qh, _const(2)), top)),
+    )

@@ -79,6 +79,8 @@ from kernels.quant.tile_layout import (
     _Frame,
     _halves,
     q4_k_block_end,
+    q4_k_nibbles,
+    q6_k_codes,
 )
 
 __all__ = [
@@ -275,10 +277,8 @@ def _q4_k_block(f: _Frame, blk, r_a):
             if nt > 1:
                 stream_ahead(b, q_at, 64)
             q = _load(b, q_at, _vec(I32, 16), 64)
-            low = _const(0x0F0F0F0F)
-            codes = (b.and_(q, low), b.and_(b.lshr(q, _const(4)), low))
             e0 = b.add(b.mul(c, I64(64)), b.mul(k, I64(4)))  # nibble h: 64 c + 32 h + 4 k
-            for h, code in enumerate(codes):
+            for h, code in enumerate(q4_k_nibbles(b, q)):
                 f.dot(dots[h], code, blk, at=b.add(e0, I64(32 * h)))
         sc_at = b.add(r_a, b.add(I64(_SC), b.mul(c, I64(32))))
         sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
@@ -313,14 +313,7 @@ def _q6_k_block(f: _Frame, blk, r_a):
         lo = _load(b, ql, _vec(I32, 16), 64)
         hi = _load(b, b.add(ql, I64(64)), _vec(I32, 16), 64)
         qh = _load(b, qh_at, _vec(I32, 16), 64)
-        low, top = _const(0x0F0F0F0F), _const(0x30303030)
-        lshr, shl, and_, or_ = b.lshr, b.shl, b.and_, b.or_
-        codes = (  # the vectors 4 sb + u: low nibbles, and two bits of qh at 2u
-            or_(and_(lo, low), and_(shl(qh, _const(4)), top)),
-            or_(and_(lshr(lo, _const(4)), low), and_(shl(qh, _const(2)), top)),
-            or_(and_(hi, low), and_(qh, top)),
-            or_(and_(lshr(hi, _const(4)), low), and_(lshr(qh, _const(2)), top)),
-        )
+        codes = q6_k_codes(b, lo, hi, qh)  # the vectors 4 sb + u
         for lvl in range(2):
             for t in range(nt):
                 b.store(ir.Constant(_vec(I32, 16), None), dots[lvl][t])

@@ -63,23 +63,30 @@ def test_tiles_equal_the_dequantized_product(qtype, tokens):
     assert np.abs(out - ref).max() / scale.max() < 1e-6
 
 
+def _extreme_blocks(raw: np.ndarray, qtype) -> np.ndarray:
+    """``raw``'s blocks, in place, at the extremes: Q4_K every code 15, every scale and
+    min 63 (d 0.5, dmin 0.25); Q6_K every code 0 (-32 from its zero point), every scale
+    -128 (d 0.5)."""
+    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:
+        blocks = raw.reshape(len(raw), -1, 144)
+        blocks[:, :, 0:2] = half
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
+        blocks[:, :, 4:] = 0xFF
+    else:
+        blocks = raw.reshape(len(raw), -1, 210)
+        blocks[:, :, :192] = 0
+        blocks[:, :, 192:208] = 0x80
+        blocks[:, :, 208:210] = half
+    return raw
+
+
 @pytest.mark.parametrize("qtype", KINDS)
 def test_extreme_codes_scales_and_activations_do_not_wrap(qtype):
     """Q4_K: every code 15, every scale and min 63; Q6_K: every code 0 (-32 from its zero
     point), every scale -128; activations at the int8 extremes: the integer sums stay
     exact (a wrap would be off by 2^32 times a scale)."""
-    raw = random_blocks(qtype, 16, K, np.random.default_rng(0))
-    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
-    if qtype == Q.Q4_K:
-        blocks = raw.reshape(16, -1, 144)
-        blocks[:, :, 0:2] = half
-        blocks[:, :, 2:4] = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
-        blocks[:, :, 4:] = 0xFF
-    else:
-        blocks = raw.reshape(16, -1, 210)
-        blocks[:, :, :192] = 0
-        blocks[:, :, 192:208] = 0x80
-        blocks[:, :, 208:210] = half
+    raw = _extreme_blocks(random_blocks(qtype, 16, K, np.random.default_rng(0)), qtype)
     tiles = repack_parts([raw], qtype.name)
     x = np.full((2, K), 3.0, np.float32)
     x[1, ::2] = -3.0
@@ -213,17 +220,7 @@ def test_amx_gives_the_tiles_the_vnni_kernels_bits(qtype, tokens):
     ref = _exact(act, tokens) @ w.T
     scale = np.abs(_exact(act, tokens)) @ np.abs(w).T
     assert np.abs(out - ref).max() / scale.max() < 1e-6
-    # Q4_K: every code 15, every scale and min 63; Q6_K: every code 0, every scale -128
-    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
-    if qtype == Q.Q4_K:
-        blocks = raw.reshape(37, -1, 144)
-        blocks[:, :, 0:2] = half
-        blocks[:, :, 4:] = 0xFF
-    else:
-        blocks = raw.reshape(37, -1, 210)
-        blocks[:, :, :192] = 0
-        blocks[:, :, 192:208] = 0x80
-        blocks[:, :, 208:210] = half
+    _extreme_blocks(raw, qtype)
     x = np.full((tokens, K), 3.0, np.float32)
     x[1::2, ::2] = -3.0
     out, act = both(raw, x)
