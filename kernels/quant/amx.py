@@ -42,7 +42,18 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from kernels.quant import tile_layout as layout
-from kernels.quant.simd import HOST_ISA, I8, I32, I64, _features, _fma, _fn, _literal, _vec
+from kernels.quant.simd import (
+    HOST_ISA,
+    I8,
+    I32,
+    I64,
+    _features,
+    _fma,
+    _fn,
+    _literal,
+    _vec,
+    stream_ahead,
+)
 from kernels.quant.superblock import _load
 
 __all__ = ["AMX_TOKENS", "SCRATCH", "amx_ready", "tile_dot_amx"]
@@ -139,10 +150,15 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     b, nt = f.builder, f.nt
     v16i = _vec(I32, 16)
     b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
+    # the lines STREAM_AHEAD bytes on, as the VNNI kernel asks for them (the header's
+    # here, each code line's as it is unpacked): at decode the records come from memory
+    stream_ahead(b, r_a, layout._QS)
     # the block's codes by run and nibble: B tile 2c + h at 512 (2c + h), line k at 64 k
     for c in range(4):
         for k in range(8):
-            q = _load(b, b.add(r_a, I64(layout._QS + 64 * (8 * c + k))), v16i, 64)
+            line = b.add(r_a, I64(layout._QS + 64 * (8 * c + k)))
+            stream_ahead(b, line, 64)
+            q = _load(b, line, v16i, 64)
             for h, code in enumerate(layout.q4_k_nibbles(b, q)):
                 at = b.add(b_at, I64(512 * (2 * c + h) + 64 * k))
                 b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
@@ -191,8 +207,13 @@ def _q6_k_block_amx(f, blk, r_a, x_tok, scratch):
     b, nt = f.builder, f.nt
     v16i = _vec(I32, 16)
     b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
+    # as _q4_k_block_amx; cold weights, 16 tokens (python -m kernels.quant.bench --tiles):
+    # 138 G multiply-adds a second against 123 without (Q4_K: no change measured)
+    stream_ahead(b, r_a, layout._QL6)
     for sb in range(16):  # B tile sb at 256 sb: its code vectors u at 64 u
         ql = b.add(r_a, I64(layout._QL6 + 128 * sb))
+        stream_ahead(b, ql, 128)
+        stream_ahead(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), 64)
         lo = _load(b, ql, v16i, 64)
         hi = _load(b, b.add(ql, I64(64)), v16i, 64)
         qh = _load(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), v16i, 64)

@@ -17,6 +17,15 @@ alike. Columns:
 
 Then prefill: dequantized tiles into a reused buffer + torch GEMM against dequantizing the
 whole matrix first, and the first-call compile time of each kernel.
+
+    python -m kernels.quant.bench --tiles [--threads 2]
+
+instead: the repacked tile kernels (:mod:`kernels.quant.tiles`, Q4_K and Q6_K, two levels
+of activations) at 16, 32 and 128 tokens, through AVX-512 VNNI and, where the CPU grants
+it, AMX (:mod:`kernels.quant.amx`), in rotation: multiply-adds a second (one level
+counted) and weight bytes a second, with the weights cold (copies past the last-level
+cache, as decode steps read them) and warm (one copy again and again, as a prompt's token
+groups meet a tile).
 """
 
 from __future__ import annotations
@@ -164,8 +173,8 @@ def _f32_variant(w: QuantWeight, x: np.ndarray, out: np.ndarray, tasks: int) -> 
 # ---- decode -----------------------------------------------------------------------------
 
 
-def _rotation(make: Callable[[], object], nbytes: int) -> list:
-    return [make() for _ in range(max(2, -(-COLD_BYTES // nbytes)))]
+def _rotation(make: Callable[[], object], nbytes: int, cold_bytes: int = COLD_BYTES) -> list:
+    return [make() for _ in range(max(2, -(-cold_bytes // nbytes)))]
 
 
 def bench_decode(qtype: GGMLQuantizationType, n: int, k: int, rounds: int, rng) -> dict:
@@ -249,6 +258,68 @@ def bench_prefill(qtype: GGMLQuantizationType, n: int, k: int, b: int, rounds: i
     return best
 
 
+# ---- tile kernels -------------------------------------------------------------------------
+
+TILE_SHAPES = {Q.Q4_K: (8192, 2048), Q.Q6_K: (2048, 8192)}  # Llama-3.2-1B ffn up, down
+TILE_TOKENS = (16, 32, 128)
+
+
+def bench_tiles(
+    qtype: GGMLQuantizationType,
+    rounds: int,
+    rng,
+    shape: tuple[int, int] | None = None,
+    tokens_list: tuple[int, ...] = TILE_TOKENS,
+    cold_bytes: int = COLD_BYTES,
+) -> dict:
+    """{(tokens, path, "cold" | "warm"): seconds per matrix} for the tile kernels on an
+    ``[n, k]`` matrix (default :data:`TILE_SHAPES`), path "vnni" or "amx" (the latter
+    where :func:`~kernels.quant.amx.amx_ready`)."""
+    from kernels.quant.activations import quantize_super_blocks
+    from kernels.quant.amx import amx_ready
+    from kernels.quant.matmul import decode_tasks
+    from kernels.quant.superblock import KBLOCK_CODES
+    from kernels.quant.tiles import repack_parts, tile_rows, tile_sums
+
+    n, k = shape or TILE_SHAPES[qtype]
+    code = KBLOCK_CODES[qtype.name]
+    raw = random_blocks(qtype, n, k, rng)
+    copies = _rotation(lambda: repack_parts([raw], qtype.name), raw.nbytes, cold_bytes)
+    paths = {"vnni": False} | ({"amx": True} if amx_ready() else {})
+    cases = {}
+    for tokens in tokens_list:
+        act = quantize_super_blocks(rng.standard_normal((tokens, k)).astype(np.float32), levels=2)
+        sums, out = tile_sums(qtype.name, act), np.empty((tokens, n), np.float32)
+        for path, amx in paths.items():
+            for temp, mats in (("cold", copies), ("warm", copies[:1] * len(copies))):
+
+                def run(mats=mats, act=act, sums=sums, out=out, amx=amx):
+                    for tiles in mats:
+                        tile_rows(code, tiles, n, act.q, act.d, sums, out, decode_tasks(), amx)
+
+                cases[(tokens, path, temp)] = (run, len(mats))
+    best = {case: float("inf") for case in cases}
+    for run, _ in cases.values():
+        run()  # compile / warm up
+    for _ in range(rounds):
+        for case, (run, m) in cases.items():
+            best[case] = min(best[case], _timed(run) / m)
+    return best
+
+
+def print_tiles(rounds: int, rng) -> None:
+    for qtype, (n, k) in TILE_SHAPES.items():
+        nbytes = random_blocks(qtype, 1, k, rng).nbytes * n
+        res = bench_tiles(qtype, rounds, rng)
+        for (tokens, path, temp), sec in res.items():
+            print(
+                f"tiles {qtype.name} {n}x{k} {tokens:4d} tokens {path:>4} {temp}: "
+                f"{tokens * n * k / sec / 1e9:6.0f} G multiply-adds/s, "
+                f"weights {nbytes / sec / 1e9:5.1f} GB/s",
+                flush=True,
+            )
+
+
 def compile_times(types: list[GGMLQuantizationType]) -> dict:
     """Seconds to compile each type's decode kernel from scratch (no cache)."""
     from kernels.quant.registry import quant_type
@@ -272,9 +343,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="4096 x 4096 only, 3 rounds")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--tiles", action="store_true", help="the tile kernels instead (VNNI, AMX)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
+    if args.tiles:
+        print(f"ISA {HOST_ISA}, {args.threads} threads")
+        print_tiles(args.rounds, np.random.default_rng(0))
+        return
     types = [Q[name] for name in args.types.split(",")]
     shapes = SHAPES[1:] if args.quick else SHAPES
     rounds = 3 if args.quick else args.rounds

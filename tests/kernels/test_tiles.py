@@ -226,3 +226,17 @@ def test_amx_gives_the_tiles_the_vnni_kernels_bits(qtype, tokens):
     out, act = both(raw, x)
     ref = _exact(act, tokens) @ reference_dequantize(raw, qtype, (37, K)).astype(np.float64).T
     assert np.allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+def test_the_tile_bench_times_every_path_it_can_take(qtype):
+    """``python -m kernels.quant.bench --tiles``: each token count through VNNI, and
+    through AMX exactly where this CPU grants it, cold (copies in rotation) and warm, each
+    a positive time per matrix."""
+    from kernels.quant.bench import bench_tiles
+
+    res = bench_tiles(qtype, 1, np.random.default_rng(0), (32, 512), (16, 19), 1 << 15)
+    paths = {"vnni", "amx"} if amx_ready() else {"vnni"}
+    expected = {(t, p, temp) for t in (16, 19) for p in paths for temp in ("cold", "warm")}
+    assert set(res) == expected
+    assert all(np.isfinite(sec) and sec > 0 for sec in res.values())
