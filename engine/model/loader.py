@@ -33,7 +33,7 @@ from kernels.dequant import SUPPORTED_TYPES, block_geometry, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear
-from kernels.quant.tiles import TILES_FORMAT, repack_parts, tiles_supported
+from kernels.quant.tiles import Q6_K_INTEGER, TILES_FORMAT, repack_parts, tiles_supported
 from kernels.quant.weight import QuantWeight
 
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
@@ -409,11 +409,12 @@ def _has_tiles(gf: GGUFFile) -> bool:
 
 def _kernels(weight_mode: str) -> str:
     """What else decides the K/V bits of native weights: k-quants as tiles on this CPU
-    (kernels/quant/tiles.py) compute other last bits than the file-block kernels, so
-    pages cached on disk before (or on a CPU without them) are not reused with them."""
-    if weight_mode != "native":
+    (kernels/quant/tiles.py) compute other last bits than the file-block kernels, and
+    Q6_K tiles others again where AMX serves them (their scales in integers), so pages
+    cached on disk before (or on a CPU without them) are not reused with them."""
+    if weight_mode != "native" or not tiles_supported("Q4_K"):
         return ""
-    return f":{TILES_FORMAT}" if tiles_supported("Q4_K") else ""
+    return f":{TILES_FORMAT}" + (":q6k-int" if Q6_K_INTEGER else "")
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

@@ -7,22 +7,31 @@ Llama-3.2-1B shape at 90 G multiply-adds a second a core (Sapphire Rapids). One
 ``tdpbsud`` multiplies a tile of 16 tokens' int8 activations of one sub-block by that
 sub-block's codes of 16 rows: exact int32 sums, the same sums the VNNI kernel forms.
 
-How: the tile records' code lines are already the B tile's layout (VNNI order: a 64-byte
-line is 16 rows x 4 codes). Q4_K: a run of two sub-blocks is 8 lines, each masked to its
-low and its high nibbles (two B tiles of 8 x 64 bytes); Q6_K: a sub-block's four code
-vectors, assembled as the VNNI kernel does, are one B tile of 4 x 64. A block's B tiles
-are written to a scratch buffer first (a tile load waits for the vector stores before it
-to reach L1); the A tile is 16 tokens' activations of one sub-block and level, loaded
-with the activations' row stride. Four ``tdpbsud`` (two sub-blocks x two levels) fill four
-C tiles of 16 tokens x 16 rows, stored to the scratch and read back one step later, and
-from there every token takes the VNNI kernel's integer and float steps in its order. So
-a row's bits do not depend on which kernel served its token: batches, prompts and decode
-steps stay interchangeable (the invariance tests hold whichever ran).
+How (Q4_K): the tile records' code lines are already the B tile's layout (VNNI order: a
+64-byte line is 16 rows x 4 codes). A run of two sub-blocks is 8 lines, each masked to
+its low and its high nibbles (two B tiles of 8 x 64 bytes), written to a scratch buffer
+first (a tile load waits for the vector stores before it to reach L1); the A tile is 16
+tokens' activations of one sub-block and level, loaded with the activations' row stride.
+Four ``tdpbsud`` (two sub-blocks x two levels) fill four C tiles of 16 tokens x 16 rows,
+stored to the scratch and read back one step later, and from there every token takes the
+VNNI kernel's integer and float steps in its order.
 
-Measured (8192 x 2048 Q4_K, two threads of a Sapphire Rapids VM): 16 / 32 / 128 tokens
-at 227 / 239 / 261 G multiply-adds a second against 111 / 175 / 177 through VNNI; the
-per-token integer and float steps (16 tokens' worth per tile product) are now most of
-the time.
+How (Q6_K): the same, a sub-block at a time (K = 16), needed 32 C tiles per block and
+tile stores bounded it (taken out, a timing experiment, the kernel ran 1.25-1.3x faster;
+the B tiles' stores 1.1-1.2x; the per-token steps' vector work did not bound it). So
+Q6_K's scales go into the B tiles: codes times scales (int16) as a low (unsigned) and a
+high (signed) byte plane, four sub-blocks a tile (K = 64), ``tdpbsud`` and ``tdpbssd``,
+and one C tile per level and plane sums the whole block: 4 C tiles per block instead of
+32. The VNNI kernel then applies the scales in integers too where AMX serves Q6_K
+(``tiles.Q6_K_INT``, the same exact integers), so a row's bits do not depend on which
+kernel served its token: batches, prompts and decode steps stay interchangeable (the
+invariance tests hold whichever ran).
+
+Measured (``python -m kernels.quant.bench --tiles``, two threads of a Sapphire Rapids
+VM, weights cold / warm): Q4_K 8192 x 2048 at 16 tokens 196 / 240 G multiply-adds a
+second against 149 / 171 through VNNI; Q6_K 2048 x 8192 at 16 / 32 / 128 tokens, cold,
+182 / 212 / 209 against 145 / 166 / 167 with the scales in float steps (VNNI, integer
+steps: 122 / 132 / 139, against 131 / 141 / 154 with float steps).
 
 Where: CPUs with AMX-TILE and AMX-INT8 whose kernel grants this process the tile state
 (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, Linux), AVX-512 VNNI present
@@ -45,10 +54,10 @@ from kernels.quant import tile_layout as layout
 from kernels.quant.simd import (
     HOST_ISA,
     I8,
+    I16,
     I32,
     I64,
     _features,
-    _fma,
     _fn,
     _literal,
     _vec,
@@ -59,10 +68,12 @@ from kernels.quant.superblock import _load
 __all__ = ["AMX_TOKENS", "SCRATCH", "amx_ready", "tile_dot_amx"]
 
 AMX_TOKENS = 16  # tokens a call: a C tile's rows
-# scratch bytes a call needs, 64-byte aligned: the tile config, a block's eight B tiles,
-# two runs' four C tiles
+# scratch bytes a call needs, 64-byte aligned: the tile config; Q4_K: a block's eight B
+# tiles, two runs' four C tiles; Q6_K: two blocks' byte planes, two blocks' four C tiles
 _CFG, _B, _C = 0, 64, 64 + 4096
-SCRATCH = _C + 2 * 4096
+# Q6_K: two blocks' byte planes (8 KB each), two blocks' four C tiles
+_B6, _C6 = 64, 64 + 2 * 8192
+SCRATCH = max(_C + 2 * 4096, _C6 + 2 * 4096)
 
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -92,7 +103,7 @@ def _ptr(builder, addr):
 def _tile_config(builder, at, k: int) -> None:
     """Palette 1: tmm0-3 the C tiles (16 x 64 bytes), tmm4-5 the B tiles (``k / 4`` x 64:
     ``k`` elements of 16 rows), tmm6-7 the A tiles (16 tokens x ``k``): ``k`` 32 for
-    Q4_K's sub-blocks, 16 for Q6_K's."""
+    Q4_K's sub-blocks, 64 for Q6_K's runs of four."""
     cfg = bytearray(64)
     cfg[0] = 1
     for t, (rows, colsb) in enumerate([(16, 64)] * 4 + [(k // 4, 64)] * 2 + [(16, k)] * 2):
@@ -199,65 +210,107 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     layout.q4_k_block_end(f, blk, r_a)
 
 
-def _q6_k_block_amx(f, blk, r_a, x_tok, scratch):
-    """One Q6_K super-block of the tile at ``r_a`` into 16 tokens' accumulators: the
-    integer sums by ``tdpbsud`` (K = 16: a sub-block's four code vectors are a B tile),
-    the rest as :func:`kernels.quant.tiles._q6_k_block`, in its order; laid out as
-    :func:`_q4_k_block_amx` (pairs of sub-blocks for its runs)."""
-    b, nt = f.builder, f.nt
-    v16i = _vec(I32, 16)
-    b_at, c_at = b.add(scratch, I64(_B)), b.add(scratch, I64(_C))
-    # as _q4_k_block_amx; cold weights, 16 tokens (python -m kernels.quant.bench --tiles):
-    # 138 G multiply-adds a second against 123 without (Q4_K: no change measured)
+def _q6_k_planes(b, r_a, b_at) -> None:
+    """A Q6_K super-block's codes times their sub-blocks' scales (at most 63 x 128 in
+    magnitude: int16) as two byte planes per run of four sub-blocks: run p's low bytes
+    (unsigned) a B tile at 2048 p, its high bytes (signed) at 2048 p + 1024; row
+    4 j + u of a run's tiles: code vector u of its sub-block j (K = 64: the run's 64
+    elements, as the activations lie)."""
+    v16i, v32w = _vec(I32, 16), _vec(I16, 32)
+    bytes_, high = layout._const(0x00FF00FF), layout._const(0xFF00FF00 - (1 << 32))
+    # the lines STREAM_AHEAD bytes on: the header's here, each sub-block's as it comes
     stream_ahead(b, r_a, layout._QL6)
-    for sb in range(16):  # B tile sb at 256 sb: its code vectors u at 64 u
+    for sb in range(16):
         ql = b.add(r_a, I64(layout._QL6 + 128 * sb))
+        qh_at = b.add(r_a, I64(layout._QH6 + 64 * sb))
         stream_ahead(b, ql, 128)
-        stream_ahead(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), 64)
+        stream_ahead(b, qh_at, 64)
         lo = _load(b, ql, v16i, 64)
         hi = _load(b, b.add(ql, I64(64)), v16i, 64)
-        qh = _load(b, b.add(r_a, I64(layout._QH6 + 64 * sb)), v16i, 64)
-        for u, code in enumerate(layout.q6_k_codes(b, lo, hi, qh)):
-            at = b.add(b_at, I64(256 * sb + 64 * u))
-            b.store(code, b.inttoptr(at, ir.PointerType(v16i)), align=64)
-    tiles = _Tiles(b)
-    e0 = b.mul(blk, I64(256))
-    for t in range(nt):
-        b.store(ir.Constant(layout.V16, None), f.part[t])
-
-    def tile_work(p: int) -> None:
-        """Sub-blocks 2p and 2p + 1 into C area ``p % 2``."""
-        tiles.products(
-            f,
-            x_tok,
-            [b.add(b_at, I64(256 * (2 * p + h))) for h in range(2)],
-            [b.add(e0, I64(16 * (2 * p + h))) for h in range(2)],
-            b.add(c_at, I64(4096 * (p % 2))),
+        qh = _load(b, qh_at, v16i, 64)
+        sc = layout._bytes16(b, b.add(r_a, I64(layout._SC6 + 16 * sb)), signed=True)
+        scw = b.bitcast(
+            b.or_(b.and_(sc, layout._const(0xFFFF)), b.shl(sc, layout._const(16))), v32w
         )
-
-    def token_steps(p: int) -> None:
-        area = b.add(c_at, I64(4096 * (p % 2)))
-        for h in range(2):
-            sb = 2 * p + h
-            scf = b.sitofp(
-                _load(b, b.add(r_a, I64(layout._SC6 + 16 * sb)), _vec(I8, 16), 16), layout.V16
+        for u, code in enumerate(layout.q6_k_codes(b, lo, hi, qh)):
+            even = b.bitcast(b.and_(code, bytes_), v32w)
+            odd = b.bitcast(b.and_(b.lshr(code, layout._const(8)), bytes_), v32w)
+            pe, po = b.mul(even, scw), b.mul(odd, scw)  # int16 products
+            shl8 = b.bitcast(b.shl(po, ir.Constant(v32w, [8] * 32)), v16i)
+            sra8 = b.bitcast(b.ashr(pe, ir.Constant(v32w, [8] * 32)), v16i)
+            pe, po = b.bitcast(pe, v16i), b.bitcast(po, v16i)
+            planes = (
+                b.or_(b.and_(pe, bytes_), shl8),
+                b.or_(b.and_(sra8, bytes_), b.and_(po, high)),
             )
-            for t in range(nt):
-                dot0 = _load(b, b.add(area, I64(1024 * (2 * h) + 64 * t)), v16i, 64)
-                dot1 = _load(b, b.add(area, I64(1024 * (2 * h + 1) + 64 * t)), v16i, 64)
-                v = b.add(b.shl(dot0, layout._const(8)), dot1)
-                v = b.sub(v, f.sum_at(t, b.add(b.mul(blk, I64(64)), I64(4 * sb))))
-                b.store(_fma(b, b.sitofp(v, layout.V16), scf, b.load(f.part[t])), f.part[t])
+            for plane, v in enumerate(planes):
+                at = b.add(b_at, I64(2048 * (sb // 4) + 1024 * plane + 64 * (4 * (sb % 4) + u)))
+                b.store(v, b.inttoptr(at, ir.PointerType(v16i)), align=64)
 
-    for p in range(8):
-        tile_work(p)
-        if p:
-            token_steps(p - 1)
-    token_steps(7)
-    d = layout._halves(b, b.add(r_a, I64(layout._D6)))
-    for t in range(nt):
-        a = _fma(b, b.load(f.part[t]), b.fmul(d, f.scale(blk, t)), b.load(f.acc[t]))
-        b.store(a, f.acc[t])
+
+def _q6_k_amx(f, x_tok, scratch) -> None:
+    """Every Q6_K super-block of the tile into 16 tokens' accumulators: per block, the
+    codes times the scales in byte planes (:func:`_q6_k_planes`), four runs of 64
+    elements, each level's activations (the A tile) times each plane (``tdpbsud`` for the
+    unsigned low bytes, ``tdpbssd`` for the signed high ones) summed in one C tile per
+    level and plane over the block; then per token the integer and float steps of
+    :func:`~kernels.quant.tile_layout.q6_k_token_end`, which the VNNI kernel takes too.
+    A block's planes are unpacked while the previous block's products run; a block's C
+    tiles are read back after the next block's products (a tile store does not forward
+    to vector loads)."""
+    b = f.builder
+    v16i = _vec(I32, 16)
+    tl = _Tiles(b)
+    dot_ss = _fn(b, "llvm.x86.tdpbssd", ir.VoidType(), [I8, I8, I8])
+    b_at, c_at = b.add(scratch, I64(_B6)), b.add(scratch, I64(_C6))
+
+    def record(blk):
+        return b.add(f.rec, b.mul(blk, I64(layout.RECORD6)))
+
+    def planes_at(blk):
+        return b.add(b_at, b.mul(b.and_(blk, I64(1)), I64(8192)))
+
+    def area(blk):
+        return b.add(c_at, b.mul(b.and_(blk, I64(1)), I64(4096)))
+
+    def steps(blk):
+        r_a, c_area = record(blk), area(blk)
+        head = layout.q6_k_header(b, r_a)
+        for t in range(AMX_TOKENS):
+            c = [_load(b, b.add(c_area, I64(1024 * j + 64 * t)), v16i, 64) for j in range(4)]
+            total = tuple(
+                b.add(b.shl(c[2 * lvl + 1], layout._const(8)), c[2 * lvl]) for lvl in range(2)
+            )
+            b.store(layout.q6_k_token_end(f, blk, t, total, b.load(f.acc[t]), head), f.acc[t])
+
+    _q6_k_planes(b, f.rec, planes_at(I64(0)))
+    with cgutils.for_range(b, f.nblk) as loop:
+        blk = loop.index
+        bb = planes_at(blk)
+        for tile in range(4):  # C tile 2 lvl + plane
+            b.call(tl.zero, [I8(tile)])
+        for p in range(4):
+            for plane in range(2):
+                b.call(
+                    tl.load,
+                    [I8(4 + plane), _ptr(b, b.add(bb, I64(2048 * p + 1024 * plane))), I64(64)],
+                )
+            for lvl in range(2):
+                a_at = b.add(f.x_row[0], b.add(b.mul(blk, I64(256)), I64(64 * p)))
+                if lvl:
+                    a_at = b.add(a_at, f.x_lvl)
+                b.call(tl.load, [I8(6 + lvl), _ptr(b, a_at), x_tok])
+                b.call(tl.dot, [I8(2 * lvl), I8(6 + lvl), I8(4)])
+                b.call(dot_ss, [I8(2 * lvl + 1), I8(6 + lvl), I8(5)])
+        c_area = area(blk)
+        for tile in range(4):
+            b.call(tl.store, [I8(tile), _ptr(b, b.add(c_area, I64(1024 * tile))), I64(64)])
+        nxt = b.add(blk, I64(1))
+        with cgutils.if_likely(b, b.icmp_unsigned("<", nxt, f.nblk)):
+            _q6_k_planes(b, record(nxt), planes_at(nxt))
+        with cgutils.if_likely(b, b.icmp_unsigned(">", blk, I64(0))):
+            steps(b.sub(blk, I64(1)))
+    steps(b.sub(f.nblk, I64(1)))
 
 
 @intrinsic
@@ -267,15 +320,16 @@ def tile_dot_amx(
     """:func:`kernels.quant.tiles.tile_dot` for 16 tokens (``out``: float32 ``[16, 16]``,
     64-byte aligned), the integer sums on AMX (:func:`amx_ready` must hold); ``scratch``:
     :data:`SCRATCH` bytes, 64-byte aligned; ``kind`` a compile-time ``KBLOCK_CODES``
-    value. The same bits as ``tile_dot`` gives each token. ``on`` (a compile-time bool):
+    value for Q4_K or :data:`kernels.quant.tiles.Q6_K_INT` (Q6_K with its scales in
+    integers). The same bits as ``tile_dot`` gives each token. ``on`` (a compile-time bool):
     False compiles to nothing, so that a kernel with the AMX branch turned off compiles
     on any CPU."""
-    enabled, code = _literal(on, (0, 1)), _literal(kind, (0, 1))
-    if enabled is None or code is None:
-        return None
+    enabled, code = _literal(on, (0, 1)), _literal(kind, (0, 1, 2))
+    if enabled is None or code is None or (enabled and code == 1):
+        return None  # Q6_K on AMX only with its scales in integers (tiles.Q6_K_INT)
     u, i = types.uintp, types.intp
     sig = types.void(u, i, u, i, i, u, i, u, i, u, u, kind, on)
-    block, k = ((_q4_k_block_amx, 32), (_q6_k_block_amx, 16))[code]
+    k = (32, 64, 64)[code]
 
     def codegen(context, builder, signature, args):
         if not enabled:
@@ -283,10 +337,13 @@ def tile_dot_amx(
         f = layout._Frame(builder, AMX_TOKENS, args)
         scratch_at = args[10]
         _tile_config(builder, builder.add(scratch_at, I64(_CFG)), k)
-        with cgutils.for_range(builder, f.nblk) as loop:
-            blk = loop.index
-            rec_at = builder.add(f.rec, builder.mul(blk, I64(layout.RECORDS[code])))
-            block(f, blk, rec_at, args[3], scratch_at)
+        if code == 2:
+            _q6_k_amx(f, args[3], scratch_at)
+        else:
+            with cgutils.for_range(builder, f.nblk) as loop:
+                blk = loop.index
+                rec_at = builder.add(f.rec, builder.mul(blk, I64(layout.RECORD)))
+                _q4_k_block_amx(f, blk, rec_at, args[3], scratch_at)
         f.store_out()
         builder.call(_fn(builder, "llvm.x86.tilerelease", ir.VoidType(), []), [])
         return context.get_dummy_value()

@@ -121,6 +121,38 @@ def q4_k_block_end(f: _Frame, blk, r_a):
         b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
 
 
+def q6_k_header(b, r_a) -> tuple:
+    """A Q6_K record's super-block scale ``d`` (float32) and its sixteen sub-blocks'
+    scales as int16 pairs ``scp[j] = (sc[2j], sc[2j + 1])`` per row: what
+    :func:`q6_k_token_end` takes."""
+    d = _halves(b, b.add(r_a, I64(_D6)))
+    sc = [_bytes16(b, b.add(r_a, I64(_SC6 + 16 * s)), signed=True) for s in range(16)]
+    words = _const(0xFFFF)
+    scp = [b.or_(b.and_(sc[2 * j], words), b.shl(sc[2 * j + 1], _const(16))) for j in range(8)]
+    return d, scp
+
+
+def q6_k_token_end(f: _Frame, blk, t: int, sums: tuple, acc, head):
+    """Token ``t``'s accumulator after a Q6_K super-block whose codes times scales summed
+    to ``sums`` (int32, per level: ``L = sum_s sc[s] * sum_i x[i] * q[i]``, exact): less
+    the codes' zero point 32 times ``sum_s sc[s] * s_lvl[s]`` (one ``vpdpwssd`` per pair
+    of sub-blocks; the token's sums are int16 pairs, :func:`~kernels.quant.tiles.tile_sums`),
+    then ``part = fma(float(L_0), 256, float(L_1))`` and ``acc = fma(part, d * xd, acc)``."""
+    b = f.builder
+    d, scp = head
+    v16i = _vec(I32, 16)
+    dpwssd = _fn(b, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+    at = b.mul(blk, I64(64))
+    flt = []
+    for lvl in range(2):
+        off = ir.Constant(v16i, None)
+        for j in range(8):
+            off = b.call(dpwssd, [off, scp[j], f.sum_at(t, b.add(at, I64(4 * (8 * lvl + j))))])
+        flt.append(b.sitofp(b.sub(sums[lvl], b.shl(off, _const(5))), V16))
+    part = _fma(b, flt[0], ir.Constant(V16, [256.0] * 16), flt[1])
+    return _fma(b, part, b.fmul(d, f.scale(blk, t)), acc)
+
+
 def q4_k_nibbles(b, q) -> tuple:
     """A Q4_K code line (16 rows x 4 bytes) as its low and its high nibbles: the codes of
     sub-blocks 2c and 2c + 1 (:data:`RECORD`)."""

@@ -29,6 +29,13 @@ pytestmark = pytest.mark.skipif(
     not tiles_supported("Q4_K"), reason="this CPU has no AVX-512 VNNI: k-quants stay in file blocks"
 )
 KINDS = [Q.Q4_K, Q.Q6_K]
+# each tile kernel's arithmetic: Q6_K's scales in float steps, or in integers (where AMX
+# serves Q6_K: tiles.Q6_K_INTEGER), each tested on every CPU
+VARIANTS = [
+    pytest.param(Q.Q4_K, None, id="Q4_K"),
+    pytest.param(Q.Q6_K, False, id="Q6_K-float"),
+    pytest.param(Q.Q6_K, True, id="Q6_K-int"),
+]
 
 
 def _exact(act, tokens: int) -> np.ndarray:
@@ -37,17 +44,17 @@ def _exact(act, tokens: int) -> np.ndarray:
     return v[:tokens] + v[tokens:]
 
 
-def _product(tiles, n, x, qtype=Q.Q4_K):
+def _product(tiles, n, x, qtype=Q.Q4_K, integer=None):
     act = quantize_super_blocks(x, levels=2)
     out = np.full((len(x), n), np.nan, np.float32)
-    sums = tile_sums(qtype.name, act)
-    tile_rows(KBLOCK_CODES[qtype.name], tiles, n, act.q, act.d, sums, out, 2)
+    sums = tile_sums(qtype.name, act, integer)
+    tile_rows(KBLOCK_CODES[qtype.name], tiles, n, act.q, act.d, sums, out, 2, integer=integer)
     return out, act
 
 
-@pytest.mark.parametrize("qtype", KINDS)
-@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
-def test_tiles_equal_the_dequantized_product(qtype, tokens):
+@pytest.mark.parametrize(("qtype", "integer"), VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 21])
+def test_tiles_equal_the_dequantized_product(qtype, integer, tokens):
     """37 rows (a short last tile) against the gguf dequantizer times the activations'
     exact values: float32 rounding only."""
     rng = np.random.default_rng(tokens)
@@ -56,17 +63,17 @@ def test_tiles_equal_the_dequantized_product(qtype, tokens):
     record = RECORDS[KBLOCK_CODES[qtype.name]]
     assert tiles.shape == (3, K // 256, record) and tiles.ctypes.data % 64 == 0
     x = rng.standard_normal((tokens, K)).astype(np.float32)
-    out, act = _product(tiles, 37, x, qtype)
+    out, act = _product(tiles, 37, x, qtype, integer)
     w = reference_dequantize(raw, qtype, (37, K)).astype(np.float64)
     ref = _exact(act, tokens) @ w.T
     scale = np.abs(_exact(act, tokens)) @ np.abs(w).T
     assert np.abs(out - ref).max() / scale.max() < 1e-6
 
 
-def _extreme_blocks(raw: np.ndarray, qtype) -> np.ndarray:
+def _extreme_blocks(raw: np.ndarray, qtype, top: bool = False) -> np.ndarray:
     """``raw``'s blocks, in place, at the extremes: Q4_K every code 15, every scale and
-    min 63 (d 0.5, dmin 0.25); Q6_K every code 0 (-32 from its zero point), every scale
-    -128 (d 0.5)."""
+    min 63 (d 0.5, dmin 0.25); Q6_K every code 0 (-32 from its zero point; with ``top``
+    63, +31), every scale -128 (d 0.5)."""
     half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
     if qtype == Q.Q4_K:
         blocks = raw.reshape(len(raw), -1, 144)
@@ -75,39 +82,42 @@ def _extreme_blocks(raw: np.ndarray, qtype) -> np.ndarray:
         blocks[:, :, 4:] = 0xFF
     else:
         blocks = raw.reshape(len(raw), -1, 210)
-        blocks[:, :, :192] = 0
+        blocks[:, :, :192] = 0xFF if top else 0
         blocks[:, :, 192:208] = 0x80
         blocks[:, :, 208:210] = half
     return raw
 
 
-@pytest.mark.parametrize("qtype", KINDS)
-def test_extreme_codes_scales_and_activations_do_not_wrap(qtype):
-    """Q4_K: every code 15, every scale and min 63; Q6_K: every code 0 (-32 from its zero
-    point), every scale -128; activations at the int8 extremes: the integer sums stay
-    exact (a wrap would be off by 2^32 times a scale)."""
-    raw = _extreme_blocks(random_blocks(qtype, 16, K, np.random.default_rng(0)), qtype)
+@pytest.mark.parametrize(("qtype", "integer"), VARIANTS)
+@pytest.mark.parametrize("top", [False, True])
+def test_extreme_codes_scales_and_activations_do_not_wrap(qtype, integer, top):
+    """Q4_K: every code 15, every scale and min 63; Q6_K: every code 0 or 63 (-32 / +31
+    from its zero point), every scale -128; activations at the int8 extremes: the integer
+    sums stay exact (a wrap would be off by 2^32 times a scale)."""
+    rng = np.random.default_rng(0)
+    raw = _extreme_blocks(random_blocks(qtype, 16, K, rng), qtype, top)
     tiles = repack_parts([raw], qtype.name)
     x = np.full((2, K), 3.0, np.float32)
     x[1, ::2] = -3.0
-    out, act = _product(tiles, 16, x, qtype)
+    out, act = _product(tiles, 16, x, qtype, integer)
     w = reference_dequantize(raw, qtype, (16, K)).astype(np.float64)
     ref = _exact(act, 2) @ w.T
     assert np.allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", KINDS)
-def test_a_rows_result_does_not_depend_on_the_batch(qtype):
-    """Each token alone, in tiles of 4 / 2 / 1 within any batch, the same bits."""
+@pytest.mark.parametrize(("qtype", "integer"), VARIANTS)
+def test_a_rows_result_does_not_depend_on_the_batch(qtype, integer):
+    """Each token alone, in tiles of 4 / 2 / 1 (and of 16 on AMX) within any batch, the
+    same bits."""
     rng = np.random.default_rng(5)
     raw = random_blocks(qtype, 48, K, rng)
     tiles = repack_parts([raw], qtype.name)
-    x = rng.standard_normal((11, K)).astype(np.float32)
-    full, _ = _product(tiles, 48, x, qtype)
+    x = rng.standard_normal((21, K)).astype(np.float32)
+    full, _ = _product(tiles, 48, x, qtype, integer)
     for t in range(len(x)):
-        alone, _ = _product(tiles, 48, x[t : t + 1], qtype)
+        alone, _ = _product(tiles, 48, x[t : t + 1], qtype, integer)
         assert np.array_equal(alone[0], full[t])
-    part, _ = _product(tiles, 48, x[3:10], qtype)
+    part, _ = _product(tiles, 48, x[3:10], qtype, integer)
     assert np.array_equal(part, full[3:10])
 
 
@@ -240,3 +250,17 @@ def test_the_tile_bench_times_every_path_it_can_take(qtype):
     expected = {(t, p, temp) for t in (16, 19) for p in paths for temp in ("cold", "warm")}
     assert set(res) == expected
     assert all(np.isfinite(sec) and sec > 0 for sec in res.values())
+
+
+def test_each_q6_k_arithmetic_has_its_own_cache_fingerprint(monkeypatch):
+    """K/V pages kept on disk under one Q6_K arithmetic (scales in float steps, or in
+    integers where AMX serves Q6_K) are not reused under the other: the model's
+    fingerprint names it; modes without tiles name neither."""
+    from engine.model import loader
+
+    tags = set()
+    for integer in (False, True):
+        monkeypatch.setattr(loader, "Q6_K_INTEGER", integer)
+        tags.add(loader._kernels("native"))
+        assert loader._kernels("dequant") == ""
+    assert len(tags) == 2
