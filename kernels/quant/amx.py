@@ -16,9 +16,9 @@ Four ``tdpbsud`` (two sub-blocks x two levels) fill four C tiles of 16 tokens x 
 stored to the scratch and read back one step later, and from there every token takes the
 VNNI kernel's integer and float steps in its order.
 
-How (Q6_K): the same, a sub-block at a time (K = 16), needed 32 C tiles per block and
-tile stores bounded it (taken out, a timing experiment, the kernel ran 1.25-1.3x faster;
-the B tiles' stores 1.1-1.2x; the per-token steps' vector work did not bound it). So
+How (Q6_K): taken the same way, a sub-block (K = 16) a B tile, it needed 32 C tiles per
+block, and their stores bounded it (taken out, a timing experiment, the kernel ran
+1.25-1.3x faster; the B tiles' stores 1.1-1.2x; the per-token vector steps less). So
 Q6_K's scales go into the B tiles: codes times scales (int16) as a low (unsigned) and a
 high (signed) byte plane, four sub-blocks a tile (K = 64), ``tdpbsud`` and ``tdpbssd``,
 and one C tile per level and plane sums the whole block: 4 C tiles per block instead of
@@ -71,7 +71,6 @@ AMX_TOKENS = 16  # tokens a call: a C tile's rows
 # scratch bytes a call needs, 64-byte aligned: the tile config; Q4_K: a block's eight B
 # tiles, two runs' four C tiles; Q6_K: two blocks' byte planes, two blocks' four C tiles
 _CFG, _B, _C = 0, 64, 64 + 4096
-# Q6_K: two blocks' byte planes (8 KB each), two blocks' four C tiles
 _B6, _C6 = 64, 64 + 2 * 8192
 SCRATCH = max(_C + 2 * 4096, _C6 + 2 * 4096)
 

@@ -1,8 +1,8 @@
 """What the tile kernels' code generators share (:mod:`kernels.quant.tiles` on AVX-512
 VNNI, :mod:`kernels.quant.amx` on AMX): the tile records' layout, the frame of a kernel
-call (its arguments, each token's rows and accumulators), and the float steps that end a
-Q4_K super-block, so that both kernels take them in one order and give a row the same
-bits.
+call (its arguments, each token's rows and accumulators), and the steps that end a Q4_K
+super-block (float) and a Q6_K one (integer, where AMX serves it), so that both kernels
+take them in one order and give a row the same bits.
 """
 
 from __future__ import annotations
