@@ -309,7 +309,8 @@ def bench_tiles(
 
 def print_tiles(rounds: int, rng) -> None:
     for qtype, (n, k) in TILE_SHAPES.items():
-        nbytes = random_blocks(qtype, 1, k, rng).nbytes * n
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        nbytes = n * (k // block_size) * type_size  # the file's bytes of the matrix
         res = bench_tiles(qtype, rounds, rng)
         for (tokens, path, temp), sec in res.items():
             print(
