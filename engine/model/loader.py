@@ -414,7 +414,7 @@ def _kernels(weight_mode: str) -> str:
     cached on disk before (or on a CPU without them) are not reused with them."""
     if weight_mode != "native" or not tiles_supported("Q4_K"):
         return ""
-    return f":{TILES_FORMAT}" + (":q6k-int" if Q6_K_INTEGER else "")
+    return f":{TILES_FORMAT}:q4k-l16" + (":q6k-int" if Q6_K_INTEGER else "")
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

@@ -62,6 +62,7 @@ class Q8KActivations:
     pair16: np.ndarray | None = None
     pair32: np.ndarray | None = None
     wide: dict = field(default_factory=dict, repr=False)  # :meth:`widened`, by order
+    coarse: tuple | None = field(default=None, repr=False)  # :meth:`coarse_levels`
     # the float activations these came from, when made by prepared_activations
     source: np.ndarray | None = field(default=None, repr=False)
 
@@ -97,6 +98,27 @@ class Q8KActivations:
             _by_rows(b, _widen, _widen_parallel)(self.q_k4 if order == "q4_k" else self.q, wide)
             self.wide[order] = wide
         return self.wide[order]
+
+    def coarse_levels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A two-level ``[2B, K]``'s second level at 1/16 of the first's scale instead of
+        1/256 (``(q_1 + 8) >> 4``: within 8 of the first level's scale / 16, and the
+        first level's rounding within its half, so a value is within 1/32 + 1/512 of the
+        scale), as the Q4_K tile kernels read it: (``q``: int8 ``[B, 2K]``, per 32
+        elements the first level's codes then the second's; ``xd``: float32
+        ``[B, K / 256]``, the second level's scale; ``sums``: int32 ``[B, K / 32]``, each
+        level's sums per 32 as int16 pairs of sub-blocks, per block the first level's four
+        pairs then the second's). With the levels 16 apart, the weights' codes times 16
+        and times 1 multiply both in one 64-element product (:mod:`kernels.quant.amx`).
+        Made once."""
+        if self.pair16 is None:
+            raise ValueError("coarse levels need two levels")
+        if self.coarse is None:
+            b, k = self.q.shape[0] // 2, self.q.shape[1]
+            q = padded_rows(b, 2 * k, np.int8)
+            sums = np.empty((b, k // 32), np.int32)
+            _by_rows(b, _coarse, _coarse_parallel)(self.q, self.bsum32, q, sums)
+            self.coarse = (q, self.d[:b] / np.float32(16.0), sums)
+        return self.coarse
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[B, K]``: exactly the values the kernels multiply by."""
@@ -185,6 +207,40 @@ def _widen(codes, wide):
 def _widen_parallel(codes, wide):
     for b in numba.prange(wide.shape[0]):
         _widen_row(codes, b, wide)
+
+
+@numba.njit(**INLINE)
+def _coarse_row(codes, bsum32, b, q, sums):
+    """Row ``b`` of :meth:`Q8KActivations.coarse_levels` from the two levels' ``codes``."""
+    batch = q.shape[0]
+    for s in range(sums.shape[1]):
+        total = 0
+        for i in range(32):
+            c = (np.int32(codes[batch + b, 32 * s + i]) + 8) >> 4
+            q[b, 64 * s + i] = codes[b, 32 * s + i]
+            q[b, 64 * s + 32 + i] = np.int8(c)
+            total += c
+        # sub-blocks 2j, 2j + 1 of a block as one int32: level 0 at j, level 1 at 4 + j
+        at = s - s % 8 + s % 8 // 2
+        shift = 16 * (s % 2)
+        if shift == 0:
+            sums[b, at] = bsum32[b, s] & 0xFFFF
+            sums[b, at + 4] = total & 0xFFFF
+        else:
+            sums[b, at] |= bsum32[b, s] << 16
+            sums[b, at + 4] |= total << 16
+
+
+@numba.njit(**JIT)
+def _coarse(codes, bsum32, q, sums):
+    for b in range(q.shape[0]):
+        _coarse_row(codes, bsum32, b, q, sums)
+
+
+@numba.njit(**PARALLEL)
+def _coarse_parallel(codes, bsum32, q, sums):
+    for b in numba.prange(q.shape[0]):
+        _coarse_row(codes, bsum32, b, q, sums)
 
 
 def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:

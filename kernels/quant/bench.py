@@ -279,7 +279,7 @@ def bench_tiles(
     from kernels.quant.amx import amx_ready
     from kernels.quant.matmul import decode_tasks
     from kernels.quant.superblock import KBLOCK_CODES
-    from kernels.quant.tiles import repack_parts, tile_rows, tile_sums
+    from kernels.quant.tiles import repack_parts, tile_rows
 
     n, k = shape or TILE_SHAPES[qtype]
     code = KBLOCK_CODES[qtype.name]
@@ -289,13 +289,13 @@ def bench_tiles(
     cases = {}
     for tokens in tokens_list:
         act = quantize_super_blocks(rng.standard_normal((tokens, k)).astype(np.float32), levels=2)
-        sums, out = tile_sums(qtype.name, act), np.empty((tokens, n), np.float32)
+        out = np.empty((tokens, n), np.float32)
         for path, amx in paths.items():
             for temp, mats in (("cold", copies), ("warm", copies[:1] * len(copies))):
 
-                def run(mats=mats, act=act, sums=sums, out=out, amx=amx):
+                def run(mats=mats, act=act, out=out, amx=amx):
                     for tiles in mats:
-                        tile_rows(code, tiles, n, act.q, act.d, sums, out, decode_tasks(), amx)
+                        tile_rows(code, tiles, n, act, out, decode_tasks(), amx)
 
                 cases[(tokens, path, temp)] = (run, len(mats))
     best = {case: float("inf") for case in cases}

@@ -59,7 +59,6 @@ from kernels.quant.tiles import (
     TILE_ROWS,
     repack_parts,
     tile_rows,
-    tile_sums,
     tiles_supported,
 )
 from kernels.quant.weight import QuantWeight
@@ -418,11 +417,8 @@ def _in_lanes(group: _Group) -> bool:
 
 def _tiles(group: _Group, act: Q8KActivations, cols: np.ndarray) -> None:
     """``cols`` = the tiled group's product with two levels of super-block activations."""
-    name = group.parts[0].kind.name
-    sums = tile_sums(name, act)
-    tile_rows(
-        KBLOCK_CODES[name], group.tiles, group.columns, act.q, act.d, sums, cols, decode_tasks()
-    )
+    code = KBLOCK_CODES[group.parts[0].kind.name]
+    tile_rows(code, group.tiles, group.columns, act, cols, decode_tasks())
 
 
 def _super_blocks(group: _Group) -> bool:

@@ -233,7 +233,7 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     from kernels.quant.amx import AMX_TOKENS, amx_ready
     from kernels.quant.registry import quant_type
     from kernels.quant.superblock import KBLOCK_CODES
-    from kernels.quant.tiles import repack_parts, tile_rows, tile_sums, tiles_supported
+    from kernels.quant.tiles import repack_parts, tile_rows, tiles_supported
 
     for qtype in qtypes:
         kind = quant_type(qtype)
@@ -275,9 +275,6 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
                     np.empty((tokens, 1), np.float32),
                     np.empty((tokens, 2), np.float32)[:, :1],
                 ):
-                    tile_rows(
-                        KBLOCK_CODES[kind.name], tiles, 1, act.q, act.d,
-                        tile_sums(kind.name, act), out, decode_tasks(),
-                    )  # fmt: skip
+                    tile_rows(KBLOCK_CODES[kind.name], tiles, 1, act, out, decode_tasks())
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

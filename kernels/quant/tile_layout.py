@@ -53,13 +53,14 @@ class _Frame:
             cgutils.alloca_once_value(self.builder, ir.Constant(t, None)) for _ in range(self.nt)
         ]
 
-    def dot(self, dots: list, codes, blk, at):
+    def dot(self, dots: list, codes, blk, at, block: int = 256):
         """``dots[lvl][t] += vpdpbusd(codes, token t's 4 int8 of level lvl)``, from
-        element ``at`` of block ``blk``."""
+        byte ``at`` of block ``blk`` (``block`` bytes a block and level: 256, or 512
+        for :meth:`~kernels.quant.activations.Q8KActivations.coarse_levels`)."""
         b = self.builder
         for lvl in range(2):
             for t in range(self.nt):
-                x = b.add(b.add(self.x_row[t], b.mul(blk, I64(256))), at)
+                x = b.add(b.add(self.x_row[t], b.mul(blk, I64(block))), at)
                 if lvl:
                     x = b.add(x, self.x_lvl)
                 xv = _splat(b, _load(b, x, I32, 4), 16)
@@ -103,20 +104,29 @@ def _bytes16(builder, addr, signed: bool = False):
 
 
 def q4_k_block_end(f: _Frame, blk, r_a):
-    """A Q4_K super-block's float steps once its runs are summed into ``f.part``: each
-    token's ``acc = fma(part, d * xd, acc)``, then its offsets (``mins`` times the
-    activations' paired sums, in integers) ``acc = fma(float(.), -(dmin * xd), acc)``."""
+    """A Q4_K super-block's float steps once its sub-blocks are summed into ``f.part``:
+    each token's ``acc = fma(part, d * xd, acc)``, then its offsets in integers, per
+    level ``L = sum_s min[s] * s[s]`` (one ``vpdpwssd`` per pair of sub-blocks: the
+    token's sums are int16 pairs, :meth:`~kernels.quant.activations.Q8KActivations.
+    coarse_levels`), ``acc = fma(float(16 L_0 + L_1), -(dmin * xd), acc)``."""
     b, nt = f.builder, f.nt
+    v16i = _vec(I32, 16)
+    dpwssd = _fn(b, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
     d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
     mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
+    pairs = [b.or_(mins[2 * j], b.shl(mins[2 * j + 1], _const(16))) for j in range(4)]
     for t in range(nt):
         xd_v = f.scale(blk, t)
         a = _fma(b, b.load(f.part[t]), b.fmul(d, xd_v), b.load(f.acc[t]))
         sums = b.mul(blk, I64(32))
-        imin = None
-        for s in range(8):
-            m = b.mul(mins[s], f.sum_at(t, b.add(sums, I64(4 * s))))
-            imin = m if imin is None else b.add(imin, m)
+        lv = []
+        for lvl in range(2):
+            off = ir.Constant(v16i, None)
+            for j in range(4):
+                at = b.add(sums, I64(4 * (4 * lvl + j)))
+                off = b.call(dpwssd, [off, pairs[j], f.sum_at(t, at)])
+            lv.append(off)
+        imin = b.add(b.shl(lv[0], _const(4)), lv[1])
         fm = b.fneg(b.fmul(dmin, xd_v))
         b.store(_fma(b, b.sitofp(imin, V16), fm, a), f.acc[t])
 

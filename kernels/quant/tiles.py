@@ -17,8 +17,8 @@ nibbles 4 elements of one sub-block, their high nibbles 4 of the next), the sub-
 scales and mins decoded to bytes (64 bytes more than the file's 2,304: +2.8%). Then per
 load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of them with
 the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
-instruction, no shuffle. Each run of two sub-blocks is summed in integers (exact),
-``(256 * level_0 + level_1) * scale``, then in float32. Q6_K's records (:data:`RECORD6`)
+instruction, no shuffle. A block's sub-blocks are summed in integers (exact),
+``(16 * level_0 + level_1) * scale``, then in float32. Q6_K's records (:data:`RECORD6`)
 hold per sub-block two vectors of low nibbles and one of the two high bits: per 16
 elements three loads and a few masks give four code vectors, its zero point (32) taken
 off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
@@ -267,37 +267,42 @@ def repack_parts(
 def _q4_k_block(f: _Frame, blk, r_a):
     """One Q4_K super-block of the tile at ``r_a`` into each token's accumulator."""
     b, nt = f.builder, f.nt
+    v16i = _vec(I32, 16)
     # the lines STREAM_AHEAD bytes on, the header's here and the codes' as the loop
     # reaches them (one token: the hardware's prefetcher keeps up, at less cost)
     if nt > 1:
         stream_ahead(b, r_a, _QS)
-    dots = [[f.slots(_vec(I32, 16)) for _ in range(2)] for _ in range(2)]  # [nibble][lvl][t]
+    dots = [[f.slots(v16i) for _ in range(2)] for _ in range(2)]  # [nibble][lvl][t]
+    total = f.slots(v16i)  # the block's sum over its sub-blocks, in integers
     with cgutils.for_range(b, I64(4)) as runs:  # runs of two sub-blocks: 2c, 2c + 1
         c = runs.index
         for h in range(2):
             for lvl in range(2):
                 for t in range(nt):
-                    b.store(ir.Constant(_vec(I32, 16), None), dots[h][lvl][t])
+                    b.store(ir.Constant(v16i, None), dots[h][lvl][t])
         with cgutils.for_range(b, I64(8)) as groups:
             k = groups.index
             q_at = b.add(r_a, b.add(I64(_QS), b.mul(b.add(b.mul(c, I64(8)), k), I64(64))))
             if nt > 1:
                 stream_ahead(b, q_at, 64)
-            q = _load(b, q_at, _vec(I32, 16), 64)
-            e0 = b.add(b.mul(c, I64(64)), b.mul(k, I64(4)))  # nibble h: 64 c + 32 h + 4 k
+            q = _load(b, q_at, v16i, 64)
+            # sub-block 2c + h's elements 4k .. 4k + 3: byte 64 (2c + h) + 4k of the
+            # coarse levels' block (the second level 32 bytes on)
+            e0 = b.add(b.mul(c, I64(128)), b.mul(k, I64(4)))
             for h, code in enumerate(q4_k_nibbles(b, q)):
-                f.dot(dots[h], code, blk, at=b.add(e0, I64(32 * h)))
+                f.dot(dots[h], code, blk, at=b.add(e0, I64(64 * h)), block=512)
         sc_at = b.add(r_a, b.add(I64(_SC), b.mul(c, I64(32))))
         sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
         first = b.icmp_unsigned("==", c, I64(0))
         for t in range(nt):
             run = None
             for h in range(2):
-                lv0 = b.shl(b.load(dots[h][0][t]), _const(8))
+                lv0 = b.shl(b.load(dots[h][0][t]), _const(4))
                 s = b.mul(b.add(lv0, b.load(dots[h][1][t])), sc[h])
                 run = s if run is None else b.add(run, s)
-            fl = b.sitofp(run, V16)
-            b.store(b.select(first, fl, b.fadd(b.load(f.part[t]), fl)), f.part[t])
+            b.store(b.select(first, run, b.add(b.load(total[t]), run)), total[t])
+    for t in range(nt):
+        b.store(b.sitofp(b.load(total[t]), V16), f.part[t])
     q4_k_block_end(f, blk, r_a)
 
 
@@ -387,14 +392,18 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
     compile-time.
 
-    Q4_K (``bs``: the paired sums per 32, ``256 * s_0 + s_1``, int32): per block, token
-    and run ``c`` of two sub-blocks, in integers (exact; per lane and sub-block
-    ``|256 s_0 + s_1| <= 32 * 15 * 32,640``, times a scale below 64, two of them below
-    2^31): ``R = sum_{s in 2c, 2c+1} (256 * dot_0[s] + dot_1[s]) * sc[s]``; then
-    ``part = float(R_0) + float(R_1) + float(R_2) + float(R_3)`` in that order,
-    ``acc = fma(part, d * xd, acc)``, and the offsets
-    ``acc = fma(float(sum_s min[s] * bs[s]), -(dmin * xd), acc)`` (an exact integer,
-    ``8 * 63 * 32 * 32,640 < 2^31``).
+    Q4_K reads the activations as :meth:`~kernels.quant.activations.Q8KActivations.
+    coarse_levels` (``x`` their rows, ``x_lvl`` 32: per 32 elements the first level then
+    the second, at 1/16 of the first's scale; ``bs`` each level's sums per 32 as int16
+    pairs): per block and token, in integers (exact; per lane and sub-block
+    ``|16 dot_0 + dot_1| <= 32 * 15 * 2,040``, times a scale below 64, eight of them
+    below 2^29): ``R = sum_s (16 * dot_0[s] + dot_1[s]) * sc[s]``; then
+    ``acc = fma(float(R), d * xd, acc)``, and the offsets, per level
+    ``L = sum_s min[s] * s[s]``, ``acc = fma(float(16 L_0 + L_1), -(dmin * xd), acc)``.
+    With the levels 16 apart (not 256, as for Q6_K), AMX sums a sub-block's
+    ``16 dot_0 + dot_1`` in one product (:mod:`kernels.quant.amx`); the activations
+    then carry about 12 bits (a value within ``(1/32 + 1/512) / 127`` of its block's
+    largest).
 
     Q6_K (:data:`RECORD6`; ``bs``: the paired sums per 16 times the codes' zero point,
     ``32 * (256 * s_0 + s_1)``, int32): per block, token and sub-block ``s``, in integers
@@ -437,21 +446,18 @@ def _tile_dot(kind, rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, n
 
 
 @numba.njit(**INLINE)
-def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks, amx):
+def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
     """``out[t, n]`` (float32, ``n < n_rows``; a view into a wider output is fine) =
     row ``n`` of ``tiles`` (:func:`repack_parts`; ``kind`` a ``KBLOCK_CODES`` value) dotted with
-    token ``t``'s two levels of super-block activations
-    (:func:`~kernels.quant.activations.quantize_super_blocks` with ``levels=2``: ``q``
-    int8 ``[2T, K]``, token ``t``'s second level row ``T + t``; ``xd`` their scales;
-    ``sums`` int32, :func:`tile_sums`), tiles split in ``tasks`` ranges over numba's
-    threads."""
+    token ``t``'s two levels of super-block activations: its first at ``q[t]``, its
+    second ``xl`` bytes on, the second's scales ``xd[t]`` (:func:`tile_rows` says which
+    arrays), tiles split in ``tasks`` ranges over numba's threads."""
     tokens = out.shape[0]
     n_tiles, nblk = tiles.shape[0], tiles.shape[1]
     tasks = max(1, min(n_tiles, tasks))
     per = (n_tiles + tasks - 1) // tasks
     xs, ds, bss = q.strides[0], xd.strides[0], sums.strides[0]
     x_at, xd_at, bs_at = q.ctypes.data, xd.ctypes.data, sums.ctypes.data
-    xl = tokens * xs  # the second level's rows follow the first's
     for task in numba.prange(tasks):
         raw = np.empty(64 * AMX_TOKENS + 64, np.uint8)
         tmp_at = (raw.ctypes.data + 63) & ~63
@@ -469,7 +475,7 @@ def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks, amx):
                 if amx and tokens - j >= AMX_TOKENS:
                     nt = AMX_TOKENS
                     tile_dot_amx(
-                        rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds, ds,
+                        rec_at, nblk, x_at + j * xs, xs, xl, xd_at + j * ds, ds,
                         bs_at + j * bss, bss, tmp_at, scratch_at, kind, amx,
                     )  # fmt: skip
                 else:
@@ -477,7 +483,7 @@ def _tile_rows(kind, tiles, n_rows, q, xd, sums, out, tasks, amx):
                     if nt == 3:
                         nt = 2
                     _tile_dot(
-                        kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + (tokens + j) * ds,
+                        kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + j * ds,
                         ds, bs_at + j * bss, bss, tmp_at, nt,
                     )  # fmt: skip
                 for t in range(nt):
@@ -490,68 +496,75 @@ _Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
 
 
 @numba.njit(**JIT, parallel=True)
-def _tile_rows_q4_k(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks, False)
+def _tile_rows_q4_k(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(_Q4_K, tiles, n_rows, q, xl, xd, sums, out, tasks, False)
 
 
 @numba.njit(**JIT, parallel=True)
-def _tile_rows_q4_k_amx(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(_Q4_K, tiles, n_rows, q, xd, sums, out, tasks, True)
+def _tile_rows_q4_k_amx(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(_Q4_K, tiles, n_rows, q, xl, xd, sums, out, tasks, True)
 
 
 @numba.njit(**JIT, parallel=True)
-def _tile_rows_q6_k(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(_Q6_K, tiles, n_rows, q, xd, sums, out, tasks, False)
+def _tile_rows_q6_k(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(_Q6_K, tiles, n_rows, q, xl, xd, sums, out, tasks, False)
 
 
 @numba.njit(**JIT, parallel=True)
-def _tile_rows_q6_k_int(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(Q6_K_INT, tiles, n_rows, q, xd, sums, out, tasks, False)
+def _tile_rows_q6_k_int(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(Q6_K_INT, tiles, n_rows, q, xl, xd, sums, out, tasks, False)
 
 
 @numba.njit(**JIT, parallel=True)
-def _tile_rows_q6_k_int_amx(tiles, n_rows, q, xd, sums, out, tasks):
-    _tile_rows(Q6_K_INT, tiles, n_rows, q, xd, sums, out, tasks, True)
+def _tile_rows_q6_k_int_amx(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(Q6_K_INT, tiles, n_rows, q, xl, xd, sums, out, tasks, True)
 
 
 def tile_rows(
     kind: int,
     tiles,
     n_rows,
-    q,
-    xd,
-    sums,
+    act,
     out,
     tasks,
     amx: bool | None = None,
     integer: bool | None = None,
 ) -> None:
-    """:func:`_tile_rows` for ``kind`` (a ``KBLOCK_CODES`` value), compiled per kind (as
-    kquants.py does for the lane kernel: the kind a constant of each). Both take 16
-    tokens at a time to AMX where :func:`~kernels.quant.amx.amx_ready` (which also asks
-    for the tile state) unless told not to (``amx`` False), to the same bits. Q6_K's
-    scales go in integers where :data:`Q6_K_INTEGER` (or ``integer``) says, and ``sums``
-    must be :func:`tile_sums`' for the same."""
+    """``out`` (float32 ``[T, n_rows]``) = the rows of ``tiles`` (``kind`` a
+    ``KBLOCK_CODES`` value) times ``act``, two levels of super-block activations
+    (:func:`~kernels.quant.activations.quantize_super_blocks` with ``levels=2``): Q4_K
+    reads them as :meth:`~kernels.quant.activations.Q8KActivations.coarse_levels`, Q6_K
+    as they are. Compiled per kind (as kquants.py does for the lane kernel: the kind a
+    constant of each); both take 16 tokens at a time to AMX where
+    :func:`~kernels.quant.amx.amx_ready` (which also asks for the tile state) unless told
+    not to (``amx`` False), to the same bits. Q6_K's scales go in integers where
+    :data:`Q6_K_INTEGER` (or ``integer``) says."""
     on_amx = amx is not False and out.shape[0] >= AMX_TOKENS and amx_ready()
+    tokens = out.shape[0]
     if kind == _Q6_K:
+        q, xl, xd = act.q, tokens * act.q.strides[0], act.d[tokens:]
+        sums = tile_sums("Q6_K", act, integer)
         if not (Q6_K_INTEGER if integer is None else integer):
-            _tile_rows_q6_k(tiles, n_rows, q, xd, sums, out, tasks)
+            fn = _tile_rows_q6_k
         else:
             fn = _tile_rows_q6_k_int_amx if on_amx else _tile_rows_q6_k_int
-            fn(tiles, n_rows, q, xd, sums, out, tasks)
+        fn(tiles, n_rows, q, xl, xd, sums, out, tasks)
         return
-    (_tile_rows_q4_k_amx if on_amx else _tile_rows_q4_k)(tiles, n_rows, q, xd, sums, out, tasks)
+    q, xd, sums = act.coarse_levels()
+    fn = _tile_rows_q4_k_amx if on_amx else _tile_rows_q4_k
+    fn(tiles, n_rows, q, 32, xd, sums, out, tasks)
 
 
 def tile_sums(kind_name: str, act, integer: bool | None = None) -> np.ndarray:
     """The per-token integer sums :func:`tile_rows` takes from two-level super-block
-    activations: Q4_K's paired sums per 32 (times the mins in the kernel); Q6_K's paired
-    sums per 16 times the codes' zero point 32, or, with its scales in integers
-    (:data:`Q6_K_INTEGER`, or ``integer``), each level's sums per 16 as int16 pairs of
-    sub-blocks (``|s| <= 16 * 127``), per block the first level's eight pairs then the
-    second's (:func:`~kernels.quant.tile_layout.q6_k_token_end`)."""
+    activations: Q4_K's paired sums per 32 of its coarse levels (``16 * s_0 + s_1``,
+    times the mins in the kernel); Q6_K's paired sums per 16 times the codes' zero point
+    32, or, with its scales in integers (:data:`Q6_K_INTEGER`, or ``integer``), each
+    level's sums per 16 as int16 pairs of sub-blocks (``|s| <= 16 * 127``), per block the
+    first level's eight pairs then the second's
+    (:func:`~kernels.quant.tile_layout.q6_k_token_end`)."""
     if kind_name == "Q4_K":
-        return act.pair32
+        return act.coarse_levels()[2]
     if not (Q6_K_INTEGER if integer is None else integer):
         return act.pair16 * np.int32(32)
     tokens, k16 = act.pair16.shape

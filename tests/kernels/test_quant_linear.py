@@ -101,10 +101,15 @@ def test_k_quant_only_projections_skip_the_per_32_format():
     for name in ("q", "q_k4", "d", "bsum16", "bsum32", "pair16", "pair32"):
         assert np.array_equal(getattr(via_per32, name), getattr(direct, name)), name
     # the two levels summed per token in the kernel (paired) or as two products: the same
-    # integers, rounded in float in another order
+    # integers, rounded in float in another order; where Q4_K is tiled, its columns from
+    # the coarse levels (the second at 1/16 of the first's scale: kernels/quant/tiles.py)
     want = np.concatenate([decode_matmul(direct, p) for p in parts], axis=1)
+    want = want[:3] + want[3:]
     got = lin(x).numpy()
-    assert np.allclose(got, want[:3] + want[3:], rtol=1e-5, atol=1e-5 * np.abs(got).max())
+    coarse = 64 if tiles_supported("Q4_K") else 0
+    tol = 1e-5 * np.abs(got).max()
+    assert np.allclose(got[:, coarse:], want[:, coarse:], rtol=1e-5, atol=tol)
+    assert np.abs(got[:, :coarse] - want[:, :coarse]).max() < 100 * tol
     with pytest.raises(ValueError, match="per 32"):
         decode_matmul(quantize_super_blocks(x.numpy()), _weight(Q.Q8_0, 32, 3)[0])
 
@@ -173,14 +178,18 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     lin = BlockLinear(parts, bias, perm)
     # Q4_K parts on AVX-512 VNNI: their tiles (kernels/quant/tiles.py), 2.8% more
     resident = sum(
-        tiles_nbytes(*p.shape, p.qtype.name) if tiles_supported(p.qtype.name) else p.nbytes for p in parts
+        tiles_nbytes(*p.shape, p.qtype.name) if tiles_supported(p.qtype.name) else p.nbytes
+        for p in parts
     )
     assert lin.out_features == n and lin.nbytes() == resident + 4 * n
     x = torch.randn(DECODE_MAX_ROWS + 5, K)
     exact = (x.double() @ full.double().T)[:, perm].float() + bias
     scale = (x.abs().double() @ full.abs().double().T)[:, perm].float()
+    # two levels of int8 activations: within 1e-4, but Q4_K's tiles read them coarser
+    # (the second level at 1/16 of the first's scale, ~12 bits: kernels/quant/tiles.py)
+    tol = 1e-3 if Q.Q4_K in qtypes and tiles_supported("Q4_K") else 1e-4
     decode = lin(x[:7])
-    assert ((decode - exact[:7]).abs() / scale[:7]).max() < 1e-4
+    assert ((decode - exact[:7]).abs() / scale[:7]).max() < tol
     prefill = lin(x)  # more rows than one decode call takes
     if all(p.kind.activation is ActivationFormat.Q8_256 for p in parts):
         if all(lanes_supported(p.kind.name) for p in parts):
@@ -189,7 +198,7 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
             assert torch.equal(lin(x[4:]), prefill[4:])
         else:  # the decode kernel in chunks, each row as decoding it alone gives
             assert torch.equal(prefill, torch.cat([lin(x[i : i + 1]) for i in range(len(x))]))
-        assert ((prefill - exact).abs() / scale).max() < 1e-4
+        assert ((prefill - exact).abs() / scale).max() < tol
     else:  # float32 tiles
         assert ((prefill - exact).abs() / scale).max() < 1e-5
     if not any(p.is_float for p in parts):  # torch's GEMM (float parts) promises no such thing
