@@ -183,7 +183,8 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
                 b.store(x1, b.inttoptr(at, ir.PointerType(v16i)), align=64)
 
     tiles = _Tiles(b)
-    total = f.slots(v16i)  # the block's sum over its sub-blocks, in integers
+    for t in range(nt):
+        b.store(ir.Constant(layout.V16, None), f.part[t])
 
     def tile_work(c: int) -> None:
         """Run ``c``'s two products into C area ``c % 2``."""
@@ -198,24 +199,17 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
 
     def token_steps(c: int) -> None:
         """Run ``c``'s integer steps per token, from C area ``c % 2``."""
-        sc_at = b.add(r_a, I64(layout._SC + 32 * c))
-        sc = [layout._bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
+        scf = layout.q4_k_scales(b, b.add(r_a, I64(layout._SC + 32 * c)))
         area = b.add(c_at, I64(2048 * (c % 2)))
         for t in range(nt):
-            run = None
-            for h in range(2):
-                dot = _load(b, b.add(area, I64(1024 * h + 64 * t)), v16i, 64)
-                s = b.mul(dot, sc[h])
-                run = s if run is None else b.add(run, s)
-            b.store(run if c == 0 else b.add(b.load(total[t]), run), total[t])
+            dots = [_load(b, b.add(area, I64(1024 * h + 64 * t)), v16i, 64) for h in range(2)]
+            b.store(layout.q4_k_run(b, dots, scf, f.part[t]), f.part[t])
 
     for c in range(4):
         tile_work(c)
         if c:
             token_steps(c - 1)
     token_steps(3)
-    for t in range(nt):
-        b.store(b.sitofp(b.load(total[t]), layout.V16), f.part[t])
     layout.q4_k_block_end(f, blk, r_a)
 
 

@@ -54,9 +54,11 @@ class _Frame:
         ]
 
     def dot(self, dots: list, codes, blk, at, block: int = 256):
-        """``dots[lvl][t] += vpdpbusd(codes, token t's 4 int8 of level lvl)``, from
+        """``dots[lvl][t] += vpdpbusd(codes[lvl], token t's 4 int8 of level lvl)``, from
         byte ``at`` of block ``blk`` (``block`` bytes a block and level: 256, or 512
-        for :meth:`~kernels.quant.activations.Q8KActivations.coarse_levels`)."""
+        for :meth:`~kernels.quant.activations.Q8KActivations.coarse_levels`); ``codes``
+        one vector for both levels or one per level; ``dots[0]`` and ``dots[1]`` may be
+        the same slots (both levels summed in one)."""
         b = self.builder
         for lvl in range(2):
             for t in range(self.nt):
@@ -65,7 +67,8 @@ class _Frame:
                     x = b.add(x, self.x_lvl)
                 xv = _splat(b, _load(b, x, I32, 4), 16)
                 prev = b.load(dots[lvl][t])
-                b.store(b.call(self.dpbusd, [prev, codes, xv]), dots[lvl][t])
+                code = codes[lvl] if isinstance(codes, tuple) else codes
+                b.store(b.call(self.dpbusd, [prev, code, xv]), dots[lvl][t])
 
     def scale(self, blk, t: int):
         """Token ``t``'s second-level scale of block ``blk``, in every lane."""
@@ -101,6 +104,20 @@ def _bytes16(builder, addr, signed: bool = False):
     """16 bytes at ``addr`` widened to int32."""
     v = _load(builder, addr, _vec(I8, 16), 16)
     return builder.sext(v, _vec(I32, 16)) if signed else builder.zext(v, _vec(I32, 16))
+
+
+def q4_k_scales(b, sc_at) -> list:
+    """A run's two sub-blocks' scales (16 rows' bytes each at ``sc_at``) as float32."""
+    return [b.sitofp(_bytes16(b, b.add(sc_at, I64(16 * h))), V16) for h in range(2)]
+
+
+def q4_k_run(b, dots: list, scf: list, part_slot):
+    """A token's ``part`` after a run of two Q4_K sub-blocks: ``part = fma(float(dot),
+    scale, part)`` for each in order (``dot`` the exact ``16 dot_0 + dot_1``)."""
+    part = b.load(part_slot)
+    for dot, scale in zip(dots, scf):
+        part = _fma(b, b.sitofp(dot, V16), scale, part)
+    return part
 
 
 def q4_k_block_end(f: _Frame, blk, r_a):
@@ -168,6 +185,13 @@ def q4_k_nibbles(b, q) -> tuple:
     sub-blocks 2c and 2c + 1 (:data:`RECORD`)."""
     low = _const(0x0F0F0F0F)
     return b.and_(q, low), b.and_(b.lshr(q, _const(4)), low)
+
+
+def q4_k_nibbles16(b, q) -> tuple:
+    """:func:`q4_k_nibbles` times 16 (unsigned bytes): what the first of the coarse
+    levels multiplies (:meth:`~kernels.quant.activations.Q8KActivations.coarse_levels`)."""
+    high = _const(0xF0F0F0F0 - (1 << 32))
+    return b.and_(b.shl(q, _const(4)), high), b.and_(q, high)
 
 
 def q6_k_codes(b, lo, hi, qh) -> tuple:

@@ -17,16 +17,19 @@ nibbles 4 elements of one sub-block, their high nibbles 4 of the next), the sub-
 scales and mins decoded to bytes (64 bytes more than the file's 2,304: +2.8%). Then per
 load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of them with
 the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
-instruction, no shuffle. A block's sub-blocks are summed in integers (exact),
-``(16 * level_0 + level_1) * scale``, then in float32. Q6_K's records (:data:`RECORD6`)
+instruction, no shuffle. Q4_K reads the activations' coarse levels (the second at 1/16
+of the first's scale), so its codes times 16 meet the first level and its codes the
+second in one accumulator (a token's registers halved: 8 tokens a call), and a block's
+sub-blocks are summed in integers (exact), ``(16 * level_0 + level_1) * scale``, then
+in float32. Q6_K's records (:data:`RECORD6`)
 hold per sub-block two vectors of low nibbles and one of the two high bits: per 16
 elements three loads and a few masks give four code vectors, its zero point (32) taken
 off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
 multiply-adds a second at 1 / 4 / 16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode
 kernel 25 / 36 / 54, the lane kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43).
 
-Every token's arithmetic is the same sequence whatever the other tokens (tiles of 4, 2
-or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same
+Every token's arithmetic is the same sequence whatever the other tokens (tiles of 8, 4,
+2 or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same
 bits: one kernel serves them all.
 """
 
@@ -80,6 +83,9 @@ from kernels.quant.tile_layout import (
     _halves,
     q4_k_block_end,
     q4_k_nibbles,
+    q4_k_nibbles16,
+    q4_k_run,
+    q4_k_scales,
     q6_k_codes,
     q6_k_header,
     q6_k_token_end,
@@ -98,9 +104,11 @@ __all__ = [
 ]
 
 TILE_ROWS = 16  # weight rows per tile: one int32 lane each of a 512-bit vector
-# tokens whose accumulators stay in registers: per token, two levels x two nibbles of
-# int32 sums (16 of the 32 vector registers at 4), its run's sum, its float accumulator
+# tokens whose accumulators stay in registers: Q6_K per token two levels of int32 sums
+# and its float steps' sums; Q4_K per token two nibbles' sums (both levels in one) and
+# its block's sum (24 of the 32 vector registers at 8)
 TOKEN_TILE = 4
+Q4_K_TOKEN_TILE = 8
 # Q6_K's tile kernel with the scales applied in integers (its own kind code beside
 # KBLOCK_CODES' 0, 1: tile_dot), taken for every Q6_K product where AMX serves the tiles,
 # so that a row has the same bits whichever of the two kernels takes its token
@@ -272,12 +280,17 @@ def _q4_k_block(f: _Frame, blk, r_a):
     # reaches them (one token: the hardware's prefetcher keeps up, at less cost)
     if nt > 1:
         stream_ahead(b, r_a, _QS)
-    dots = [[f.slots(v16i) for _ in range(2)] for _ in range(2)]  # [nibble][lvl][t]
-    total = f.slots(v16i)  # the block's sum over its sub-blocks, in integers
+    # [nibble][level][t]: from 4 tokens on both levels in one sum, 16 dot_0 + dot_1
+    # (their codes times 16 and times 1); below, each level in its own (the two
+    # instructions' latency in one chain cost a 1-token call a fifth of its speed)
+    fused = nt >= 4
+    dots = [[f.slots(v16i)] * 2 if fused else [f.slots(v16i) for _ in range(2)] for _ in range(2)]
+    for t in range(nt):
+        b.store(ir.Constant(V16, None), f.part[t])
     with cgutils.for_range(b, I64(4)) as runs:  # runs of two sub-blocks: 2c, 2c + 1
         c = runs.index
         for h in range(2):
-            for lvl in range(2):
+            for lvl in range(1 if fused else 2):
                 for t in range(nt):
                     b.store(ir.Constant(v16i, None), dots[h][lvl][t])
         with cgutils.for_range(b, I64(8)) as groups:
@@ -289,20 +302,18 @@ def _q4_k_block(f: _Frame, blk, r_a):
             # sub-block 2c + h's elements 4k .. 4k + 3: byte 64 (2c + h) + 4k of the
             # coarse levels' block (the second level 32 bytes on)
             e0 = b.add(b.mul(c, I64(128)), b.mul(k, I64(4)))
-            for h, code in enumerate(q4_k_nibbles(b, q)):
-                f.dot(dots[h], code, blk, at=b.add(e0, I64(64 * h)), block=512)
-        sc_at = b.add(r_a, b.add(I64(_SC), b.mul(c, I64(32))))
-        sc = [_bytes16(b, b.add(sc_at, I64(16 * h))) for h in range(2)]
-        first = b.icmp_unsigned("==", c, I64(0))
-        for t in range(nt):
-            run = None
+            codes = q4_k_nibbles(b, q)
+            if fused:
+                codes = tuple(zip(q4_k_nibbles16(b, q), codes))
             for h in range(2):
-                lv0 = b.shl(b.load(dots[h][0][t]), _const(4))
-                s = b.mul(b.add(lv0, b.load(dots[h][1][t])), sc[h])
-                run = s if run is None else b.add(run, s)
-            b.store(b.select(first, run, b.add(b.load(total[t]), run)), total[t])
-    for t in range(nt):
-        b.store(b.sitofp(b.load(total[t]), V16), f.part[t])
+                f.dot(dots[h], codes[h], blk, at=b.add(e0, I64(64 * h)), block=512)
+        sc_at = b.add(r_a, b.add(I64(_SC), b.mul(c, I64(32))))
+        scf = q4_k_scales(b, sc_at)
+        for t in range(nt):
+            run = [b.load(dots[h][0][t]) for h in range(2)]
+            if not fused:
+                run = [b.add(b.shl(s, _const(4)), b.load(dots[h][1][t])) for h, s in enumerate(run)]
+            b.store(q4_k_run(b, run, scf, f.part[t]), f.part[t])
     q4_k_block_end(f, blk, r_a)
 
 
@@ -361,16 +372,19 @@ def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
         b.store(a, f.acc[t])
 
 
-def _tile_kernel(kind, ntok, record: int, block):
+def _tile_kernel(kind, ntok, record: int, block, most: int):
     """The signature and code of a tile kernel: ``block(frame, blk, record address)``
-    for every super-block, then each token's 16 results stored."""
-    nt = _literal(ntok, tuple(range(1, TOKEN_TILE + 1)))
+    for every super-block, then each token's 16 results stored; above ``most`` tokens
+    no code (a branch :func:`_tile_rows` never takes for the kind)."""
+    nt = _literal(ntok, tuple(range(1, Q4_K_TOKEN_TILE + 1)))
     if nt is None:
         return None
     u, i = types.uintp, types.intp
     sig = types.void(u, i, u, i, i, u, i, u, i, u, kind, ntok)
 
     def codegen(context, builder, signature, args):
+        if nt > most:
+            return context.get_dummy_value()
         f = _Frame(builder, nt, args)
         with cgutils.for_range(builder, f.nblk) as loop:
             blk = loop.index
@@ -389,8 +403,8 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     int8 activations in super-blocks (natural order): token ``t``'s first level at
     ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
     block at ``xd + t * xd_tok`` (the first's / 256), its sums (:func:`tile_sums`)
-    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
-    compile-time.
+    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`, Q4_K to
+    :data:`Q4_K_TOKEN_TILE`) are compile-time.
 
     Q4_K reads the activations as :meth:`~kernels.quant.activations.Q8KActivations.
     coarse_levels` (``x`` their rows, ``x_lvl`` 32: per 32 elements the first level then
@@ -431,13 +445,20 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
         functools.partial(_q6_k_block, integer=False),
         functools.partial(_q6_k_block, integer=True),
     )[code]
-    return _tile_kernel(kind, ntok, RECORDS[min(code, 1)], block)
+    most = Q4_K_TOKEN_TILE if code == 0 else TOKEN_TILE
+    return _tile_kernel(kind, ntok, RECORDS[min(code, 1)], block, most)
+
+
+_Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
 
 
 @numba.njit(**INLINE)
 def _tile_dot(kind, rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, nt):
-    """:func:`tile_dot` over ``nt`` tokens (4, 2 or 1), the literal picked at run time."""
-    if nt == 4:
+    """:func:`tile_dot` over ``nt`` tokens (8, 4, 2 or 1), the literal picked at run
+    time."""
+    if nt == 8:
+        tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 8)
+    elif nt == 4:
         tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 4)
     elif nt == 2:
         tile_dot(rec_at, nblk, x_at, xs, xl, xd_at, ds, bs_at, bss, tmp_at, kind, 2)
@@ -479,8 +500,11 @@ def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
                         bs_at + j * bss, bss, tmp_at, scratch_at, kind, amx,
                     )  # fmt: skip
                 else:
-                    nt = min(TOKEN_TILE, tokens - j)
-                    if nt == 3:
+                    most = Q4_K_TOKEN_TILE if kind == _Q4_K else TOKEN_TILE
+                    nt = min(most, tokens - j)
+                    if 4 < nt < 8:
+                        nt = 4
+                    elif nt == 3:
                         nt = 2
                     _tile_dot(
                         kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + j * ds,
@@ -490,9 +514,6 @@ def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
                     for r in range(valid):
                         out[j + t, n0 + r] = tmp[16 * t + r]
                 j += nt
-
-
-_Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
 
 
 @numba.njit(**JIT, parallel=True)
