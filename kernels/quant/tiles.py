@@ -19,9 +19,9 @@ load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of th
 the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
 instruction, no shuffle. Q4_K reads the activations' coarse levels (the second at 1/16
 of the first's scale), so its codes times 16 meet the first level and its codes the
-second in one accumulator (a token's registers halved: 8 tokens a call), and a block's
-sub-blocks are summed in integers (exact), ``(16 * level_0 + level_1) * scale``, then
-in float32. Q6_K's records (:data:`RECORD6`)
+second in one accumulator (a token's registers halved: 8 tokens a call), each
+sub-block's ``16 * level_0 + level_1`` exact in integers, then times its scale in
+float32. Q6_K's records (:data:`RECORD6`)
 hold per sub-block two vectors of low nibbles and one of the two high bits: per 16
 elements three loads and a few masks give four code vectors, its zero point (32) taken
 off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
@@ -409,11 +409,12 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     Q4_K reads the activations as :meth:`~kernels.quant.activations.Q8KActivations.
     coarse_levels` (``x`` their rows, ``x_lvl`` 32: per 32 elements the first level then
     the second, at 1/16 of the first's scale; ``bs`` each level's sums per 32 as int16
-    pairs): per block and token, in integers (exact; per lane and sub-block
-    ``|16 dot_0 + dot_1| <= 32 * 15 * 2,040``, times a scale below 64, eight of them
-    below 2^29): ``R = sum_s (16 * dot_0[s] + dot_1[s]) * sc[s]``; then
-    ``acc = fma(float(R), d * xd, acc)``, and the offsets, per level
-    ``L = sum_s min[s] * s[s]``, ``acc = fma(float(16 L_0 + L_1), -(dmin * xd), acc)``.
+    pairs): per block, token and sub-block ``s``, in integers (exact, per lane
+    ``|D| <= 32 * 15 * 2,040 < 2^20``, so exact in float32 too)
+    ``D = 16 * dot_0 + dot_1``, then ``part = fma(float(D), float(sc[s]), part)`` over
+    the 8 sub-blocks in order from zero, ``acc = fma(part, d * xd, acc)``, and the
+    offsets, per level ``L = sum_s min[s] * s[s]`` (exact),
+    ``acc = fma(float(16 L_0 + L_1), -(dmin * xd), acc)``.
     With the levels 16 apart (not 256, as for Q6_K), AMX sums a sub-block's
     ``16 dot_0 + dot_1`` in one product (:mod:`kernels.quant.amx`); the activations
     then carry about 12 bits (a value within ``(1/32 + 1/512) / 127`` of its block's
