@@ -19,12 +19,11 @@ load: one ``and`` and one shift give the codes, and per token ``vpdpbusd`` of th
 the token's 4 int8 activations broadcast, for each of its two levels: 64 multiply-adds an
 instruction, no shuffle. Q4_K reads the activations' coarse levels (the second at 1/16
 of the first's scale), so its codes times 16 meet the first level and its codes the
-second in one accumulator (a token's registers halved: 8 tokens a call), each
-sub-block's ``16 * level_0 + level_1`` exact in integers, then times its scale in
-float32. Q6_K's records (:data:`RECORD6`)
-hold per sub-block two vectors of low nibbles and one of the two high bits: per 16
-elements three loads and a few masks give four code vectors, its zero point (32) taken
-off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
+second in one accumulator (from 4 tokens a call on), each sub-block's
+``16 * level_0 + level_1`` exact in integers, then times its scale in float32. Q6_K's
+records (:data:`RECORD6`) hold per sub-block two vectors of low nibbles and one of the
+two high bits: per 16 elements three loads and a few masks give four code vectors, its
+zero point (32) taken off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
 multiply-adds a second at 1 / 4 / 16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode
 kernel 25 / 36 / 54, the lane kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43).
 
@@ -104,11 +103,11 @@ __all__ = [
 ]
 
 TILE_ROWS = 16  # weight rows per tile: one int32 lane each of a 512-bit vector
-# tokens whose accumulators stay in registers: Q6_K per token two levels of int32 sums
-# and its float steps' sums; Q4_K per token two nibbles' sums (both levels in one) and
-# its block's sum (24 of the 32 vector registers at 8)
-TOKEN_TILE = 4
-Q4_K_TOKEN_TILE = 8
+# tokens whose accumulators stay in registers: Q4_K per token two nibbles' int32 sums
+# (both levels in one) and its float sum, Q6_K two levels' sums and its float (or
+# integer) sums; 8 tokens' reuse of each unpacked code vector against 4: Q4_K's kernel
+# 1.1x, Q6_K's with float steps 1.08x (one thread, 8 and 16 tokens)
+TOKEN_TILE = 8
 # Q6_K's tile kernel with the scales applied in integers (its own kind code beside
 # KBLOCK_CODES' 0, 1: tile_dot), taken for every Q6_K product where AMX serves the tiles,
 # so that a row has the same bits whichever of the two kernels takes its token
@@ -372,19 +371,16 @@ def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
         b.store(a, f.acc[t])
 
 
-def _tile_kernel(kind, ntok, record: int, block, most: int):
+def _tile_kernel(kind, ntok, record: int, block):
     """The signature and code of a tile kernel: ``block(frame, blk, record address)``
-    for every super-block, then each token's 16 results stored; above ``most`` tokens
-    no code (a branch :func:`_tile_rows` never takes for the kind)."""
-    nt = _literal(ntok, tuple(range(1, Q4_K_TOKEN_TILE + 1)))
+    for every super-block, then each token's 16 results stored."""
+    nt = _literal(ntok, tuple(range(1, TOKEN_TILE + 1)))
     if nt is None:
         return None
     u, i = types.uintp, types.intp
     sig = types.void(u, i, u, i, i, u, i, u, i, u, kind, ntok)
 
     def codegen(context, builder, signature, args):
-        if nt > most:
-            return context.get_dummy_value()
         f = _Frame(builder, nt, args)
         with cgutils.for_range(builder, f.nblk) as loop:
             blk = loop.index
@@ -403,8 +399,8 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     int8 activations in super-blocks (natural order): token ``t``'s first level at
     ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
     block at ``xd + t * xd_tok`` (the first's / 256), its sums (:func:`tile_sums`)
-    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`, Q4_K to
-    :data:`Q4_K_TOKEN_TILE`) are compile-time.
+    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
+    compile-time.
 
     Q4_K reads the activations as :meth:`~kernels.quant.activations.Q8KActivations.
     coarse_levels` (``x`` their rows, ``x_lvl`` 32: per 32 elements the first level then
@@ -446,8 +442,7 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
         functools.partial(_q6_k_block, integer=False),
         functools.partial(_q6_k_block, integer=True),
     )[code]
-    most = Q4_K_TOKEN_TILE if code == 0 else TOKEN_TILE
-    return _tile_kernel(kind, ntok, RECORDS[min(code, 1)], block, most)
+    return _tile_kernel(kind, ntok, RECORDS[min(code, 1)], block)
 
 
 _Q4_K, _Q6_K = KBLOCK_CODES["Q4_K"], KBLOCK_CODES["Q6_K"]
@@ -501,8 +496,7 @@ def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
                         bs_at + j * bss, bss, tmp_at, scratch_at, kind, amx,
                     )  # fmt: skip
                 else:
-                    most = Q4_K_TOKEN_TILE if kind == _Q4_K else TOKEN_TILE
-                    nt = min(most, tokens - j)
+                    nt = min(TOKEN_TILE, tokens - j)
                     if 4 < nt < 8:
                         nt = 4
                     elif nt == 3:
