@@ -101,9 +101,8 @@ class Q8KActivations:
 
     def coarse_levels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A two-level ``[2B, K]``'s second level at 1/16 of the first's scale instead of
-        1/256 (``(q_1 + 8) >> 4``: within 8 of the first level's scale / 16, and the
-        first level's rounding within its half, so a value is within 1/32 + 1/512 of the
-        scale), as the Q4_K tile kernels read it: (``q``: int8 ``[B, 2K]``, per 32
+        1/256 (``(q_1 + 8) >> 4``: within 1/32 of the first level's scale of the 1/256
+        level, itself within 1/512 of the value), as the Q4_K tile kernels read it: (``q``: int8 ``[B, 2K]``, per 32
         elements the first level's codes then the second's; ``xd``: float32
         ``[B, K / 256]``, the second level's scale; ``sums``: int32 ``[B, K / 32]``, each
         level's sums per 32 as int16 pairs of sub-blocks, per block the first level's four
@@ -222,8 +221,7 @@ def _coarse_row(codes, bsum32, b, q, sums):
             total += c
         # sub-blocks 2j, 2j + 1 of a block as one int32: level 0 at j, level 1 at 4 + j
         at = s - s % 8 + s % 8 // 2
-        shift = 16 * (s % 2)
-        if shift == 0:
+        if s % 2 == 0:
             sums[b, at] = bsum32[b, s] & 0xFFFF
             sums[b, at + 4] = total & 0xFFFF
         else:

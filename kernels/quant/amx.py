@@ -166,7 +166,6 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     # the lines STREAM_AHEAD bytes on, as the VNNI kernel asks for them (the header's
     # here, each code line's as it is unpacked): at decode the records come from memory
     stream_ahead(b, r_a, layout._QS)
-    high = layout._const(0xF0F0F0F0 - (1 << 32))
     # sub-block 2c + h's B tile at 1024 (2c + h): line k its codes x 16 at 64 k, its
     # codes at 512 + 64 k
     for c in range(4):
@@ -174,9 +173,8 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
             line = b.add(r_a, I64(layout._QS + 64 * (8 * c + k)))
             stream_ahead(b, line, 64)
             q = _load(b, line, v16i, 64)
-            low, hi = layout.q4_k_nibbles(b, q)
-            for h, (x16, x1) in enumerate(((b.and_(b.shl(q, layout._const(4)), high), low),
-                                           (b.and_(q, high), hi))):  # fmt: skip
+            pairs = zip(layout.q4_k_nibbles16(b, q), layout.q4_k_nibbles(b, q))
+            for h, (x16, x1) in enumerate(pairs):
                 at = b.add(b_at, I64(1024 * (2 * c + h) + 64 * k))
                 b.store(x16, b.inttoptr(at, ir.PointerType(v16i)), align=64)
                 at = b.add(at, I64(512))

@@ -23,9 +23,11 @@ second in one accumulator (from 4 tokens a call on), each sub-block's
 ``16 * level_0 + level_1`` exact in integers, then times its scale in float32. Q6_K's
 records (:data:`RECORD6`) hold per sub-block two vectors of low nibbles and one of the
 two high bits: per 16 elements three loads and a few masks give four code vectors, its
-zero point (32) taken off in integers with the token's sums. Measured, one thread, 8192 x 2048, G
-multiply-adds a second at 1 / 4 / 16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode
-kernel 25 / 36 / 54, the lane kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43).
+zero point (32) taken off in integers with the token's sums. Measured (before the coarse
+levels and 8-token calls), one thread, 8192 x 2048, G multiply-adds a second at 1 / 4 /
+16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode kernel 25 / 36 / 54, the lane
+kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43); after them Q4_K at 8 / 16
+tokens 103-110 (README, "coarse levels").
 
 Every token's arithmetic is the same sequence whatever the other tokens (tiles of 8, 4,
 2 or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same
