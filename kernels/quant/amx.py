@@ -196,7 +196,8 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
         )
 
     def token_steps(c: int) -> None:
-        """Run ``c``'s integer steps per token, from C area ``c % 2``."""
+        """Run ``c``'s per-token steps (:func:`~kernels.quant.tile_layout.q4_k_run`), from
+        C area ``c % 2``."""
         scf = layout.q4_k_scales(b, b.add(r_a, I64(layout._SC + 32 * c)))
         area = b.add(c_at, I64(2048 * (c % 2)))
         for t in range(nt):

@@ -163,7 +163,7 @@ def q6_k_token_end(f: _Frame, blk, t: int, sums: tuple, acc, head):
     """Token ``t``'s accumulator after a Q6_K super-block whose codes times scales summed
     to ``sums`` (int32, per level: ``L = sum_s sc[s] * sum_i x[i] * q[i]``, exact): less
     the codes' zero point 32 times ``sum_s sc[s] * s_lvl[s]`` (one ``vpdpwssd`` per pair
-    of sub-blocks; the token's sums are int16 pairs, :func:`~kernels.quant.tiles.tile_sums`),
+    of sub-blocks; the token's sums are int16 pairs, :func:`~kernels.quant.tiles._q6_k_sums`),
     then ``part = fma(float(L_0), 256, float(L_1))`` and ``acc = fma(part, d * xd, acc)``."""
     b = f.builder
     d, scp = head

@@ -99,7 +99,6 @@ __all__ = [
     "TOKEN_TILE",
     "repack_parts",
     "tile_rows",
-    "tile_sums",
     "tiles_nbytes",
     "tiles_supported",
 ]
@@ -400,8 +399,8 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     value: :func:`repack_parts`) dotted with ``ntok`` tokens' two levels of
     int8 activations in super-blocks (natural order): token ``t``'s first level at
     ``x + t * x_tok``, its second at ``+ x_lvl``, the second level's float32 scale per
-    block at ``xd + t * xd_tok`` (the first's / 256), its sums (:func:`tile_sums`)
-    at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
+    block at ``xd + t * xd_tok`` (the first's / 256, Q4_K's / 16), its sums
+    (:func:`tile_rows` picks them) at ``bs + t * bs_tok``. ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are
     compile-time.
 
     Q4_K reads the activations as :meth:`~kernels.quant.activations.Q8KActivations.
@@ -426,7 +425,7 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     zero, and ``acc = fma(part, d * xd, acc)``.
 
     Q6_K with its scales in integers (``kind`` :data:`Q6_K_INT`, the same records; ``bs``:
-    each level's sums per 16 as int16 pairs, :func:`tile_sums`), where AMX serves Q6_K
+    each level's sums per 16 as int16 pairs, :func:`_q6_k_sums`), where AMX serves Q6_K
     (:data:`Q6_K_INTEGER`): per block, token and level, in integers (exact, below 2^29):
     ``L = sum_s sc[s] * dot[s] - 32 * sum_s sc[s] * s[s]``, then
     ``part = fma(float(L_0), 256, float(L_1))`` and ``acc = fma(part, d * xd, acc)``: a
@@ -561,29 +560,26 @@ def tile_rows(
     tokens = out.shape[0]
     if kind == _Q6_K:
         q, xl, xd = act.q, tokens * act.q.strides[0], act.d[tokens:]
-        sums = tile_sums("Q6_K", act, integer)
-        if not (Q6_K_INTEGER if integer is None else integer):
+        integer = Q6_K_INTEGER if integer is None else integer
+        if not integer:
             fn = _tile_rows_q6_k
         else:
             fn = _tile_rows_q6_k_int_amx if on_amx else _tile_rows_q6_k_int
-        fn(tiles, n_rows, q, xl, xd, sums, out, tasks)
+        fn(tiles, n_rows, q, xl, xd, _q6_k_sums(act, integer), out, tasks)
         return
     q, xd, sums = act.coarse_levels()
     fn = _tile_rows_q4_k_amx if on_amx else _tile_rows_q4_k
     fn(tiles, n_rows, q, 32, xd, sums, out, tasks)
 
 
-def tile_sums(kind_name: str, act, integer: bool | None = None) -> np.ndarray:
-    """The per-token integer sums :func:`tile_rows` takes from two-level super-block
-    activations: Q4_K's paired sums per 32 of its coarse levels (``16 * s_0 + s_1``,
-    times the mins in the kernel); Q6_K's paired sums per 16 times the codes' zero point
-    32, or, with its scales in integers (:data:`Q6_K_INTEGER`, or ``integer``), each
-    level's sums per 16 as int16 pairs of sub-blocks (``|s| <= 16 * 127``), per block the
-    first level's eight pairs then the second's
-    (:func:`~kernels.quant.tile_layout.q6_k_token_end`)."""
-    if kind_name == "Q4_K":
-        return act.coarse_levels()[2]
-    if not (Q6_K_INTEGER if integer is None else integer):
+def _q6_k_sums(act, integer: bool) -> np.ndarray:
+    """The per-token integer sums Q6_K's tile kernel takes from two-level super-block
+    activations: the paired sums per 16 times the codes' zero point 32, or, with its
+    scales in integers (``integer``: :data:`Q6_K_INTEGER`), each level's sums per 16 as
+    int16 pairs of sub-blocks (``|s| <= 16 * 127``), per block the first level's eight
+    pairs then the second's (:func:`~kernels.quant.tile_layout.q6_k_token_end`). (Q4_K's
+    come with its coarse levels.)"""
+    if not integer:
         return act.pair16 * np.int32(32)
     tokens, k16 = act.pair16.shape
     lv = act.bsum16[: 2 * tokens].reshape(2, tokens, k16 // 16, 8, 2)
