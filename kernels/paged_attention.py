@@ -292,7 +292,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 if HAS_NUMBA:
     from kernels.quant.fastexp import exp_into
-    from kernels.quant.simd import prefetch
+    from kernels.quant.simd import float_dot, float_dots4, prefetch
 
     _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
     # float32 pages: each task asks this many slots ahead of the one it reads into L2. A
@@ -371,6 +371,8 @@ if HAS_NUMBA:
             ahead = 4 * head_dim * heads_per_task  # the task's bytes of one slot
             # the task's queries times the softmax scale (float32 products: torch's q * scale)
             qs = np.empty((rows, head_dim), dtype=np.float32)
+            q_step, k_head = qs.strides[0], kd.strides[2]
+            four = np.empty(4, dtype=np.float32)
             for j in range(rows):
                 for d in range(head_dim):
                     qs[j, d] = q[b, h0 * group + j, d] * scale
@@ -387,18 +389,23 @@ if HAS_NUMBA:
                     for hh in range(heads_per_task):
                         h = h0 + hh
                         if kbits == 0:  # fp32 pages: read in place
-                            for g in range(group):
-                                dot = np.float32(0.0)
-                                for d in range(head_dim):
-                                    dot += qs[hh * group + g, d] * kd[page, slot, h, d]
-                                scores[hh * group + g, slot] = dot
+                            k_row = k_at + slot * k_rows + hh * k_head
                         else:
                             _load_row(kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row)
-                            for g in range(group):
-                                dot = np.float32(0.0)
-                                for d in range(head_dim):
-                                    dot += qs[hh * group + g, d] * row[d]
-                                scores[hh * group + g, slot] = dot
+                            k_row = row.ctypes.data
+                        # the group's query heads four at a time (their lane sums
+                        # together), the rest one by one
+                        g = 0
+                        while g + 4 <= group:
+                            q_row = qs.ctypes.data + (hh * group + g) * q_step
+                            float_dots4(q_row, q_step, k_row, head_dim, four.ctypes.data)
+                            for j in range(4):
+                                scores[hh * group + g + j, slot] = four[j]
+                            g += 4
+                        while g < group:
+                            q_row = qs.ctypes.data + (hh * group + g) * q_step
+                            scores[hh * group + g, slot] = float_dot(q_row, k_row, head_dim)
+                            g += 1
                 if has_offset:
                     # q . R(key) mu as one more dot product per key (KeyOffset.query_terms)
                     for slot in range(first, last):

@@ -51,20 +51,43 @@ class Q8KActivations:
     d: np.ndarray  # float32 [B, K // 256]
     bsum16: np.ndarray  # int32 [B, K // 16]
     bsum32: np.ndarray  # int32 [B, K // 32]
-    # int8 [B, K]: ``q`` in Q4_K's order, the second and third 32 of every 128 swapped.
-    # A Q4_K super-block's 64 code bytes hold elements 0-31 (low nibbles) and 32-63 (high)
-    # of each 64: one vector of unpacked nibbles meets elements 0-31 and 64-95, which in
-    # this order are 64 contiguous codes (one load per 64 instead of two and a shuffle).
-    q_k4: np.ndarray
-    # Two levels only: int32 [B, K // 16] and [B, K // 32], 256 x the first level's sums
-    # plus the second's, per token (the second level's scale is the first's / 256, so a
-    # kernel sums a token's two levels in one float step: superblock.kblock_dot, paired)
+    # Two levels only: int32 [B, K // 16], 256 x the first level's sums plus the
+    # second's, per token (the second level's scale is the first's / 256, so a kernel
+    # sums a token's two levels in one float step: superblock.kblock_dot, paired)
     pair16: np.ndarray | None = None
-    pair32: np.ndarray | None = None
     wide: dict = field(default_factory=dict, repr=False)  # :meth:`widened`, by order
     coarse: tuple | None = field(default=None, repr=False)  # :meth:`coarse_levels`
     # the float activations these came from, when made by prepared_activations
     source: np.ndarray | None = field(default=None, repr=False)
+    # made on first use (:attr:`q_k4`, :attr:`pair32`): the tile kernels read neither,
+    # and writing both took half of quantizing 16 tokens of 2,048
+    _q_k4: np.ndarray | None = field(default=None, repr=False)
+    _pair32: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def q_k4(self) -> np.ndarray:
+        """int8 ``[B, K]``: ``q`` in Q4_K's order, the second and third 32 of every 128
+        swapped. A Q4_K super-block's 64 code bytes hold elements 0-31 (low nibbles) and
+        32-63 (high) of each 64: one vector of unpacked nibbles meets elements 0-31 and
+        64-95, which in this order are 64 contiguous codes (one load per 64 instead of two
+        and a shuffle). Made once."""
+        if self._q_k4 is None:
+            rows, k = self.q.shape
+            q_k4 = padded_rows(rows, k, np.int8)
+            _by_rows(rows, _q4_k_order, _q4_k_order_parallel)(self.q, q_k4)
+            self._q_k4 = q_k4
+        return self._q_k4
+
+    @property
+    def pair32(self) -> np.ndarray | None:
+        """Two levels only: int32 ``[B, K // 32]``, :attr:`pair16`'s sums per 32. Made
+        once."""
+        if self.pair16 is None:
+            return None
+        if self._pair32 is None:
+            b = self.pair16.shape[0]
+            self._pair32 = np.int32(256) * self.bsum32[:b] + self.bsum32[b : 2 * b]
+        return self._pair32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -126,10 +149,10 @@ class Q8KActivations:
 
 
 @numba.njit(**INLINE)
-def _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
+def _quantize_k_row(x, b, levels, q, d, bsum16, bsum32, pair16):
     """Row ``b`` of ``x`` to row ``b`` (and, with ``levels == 2``, what its rounding left to
-    row ``B + b``, at 1/256 of the first level's scale) of the super-block format, codes
-    in both orders; with two levels, the paired sums of row ``b`` too."""
+    row ``B + b``, at 1/256 of the first level's scale) of the super-block format; with
+    two levels, the paired sums per 16 of row ``b`` too."""
     batch, k = x.shape
     for level in range(levels):
         row = b + level * batch
@@ -156,29 +179,46 @@ def _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
             bsum16[row, s] = total
         for s in range(k // 32):
             bsum32[row, s] = bsum16[row, 2 * s] + bsum16[row, 2 * s + 1]
-            # 32-element runs 0 1 2 3 of each 128 go to 0 2 1 3
-            at = s - s % 4 + (s % 4 * 2 if s % 4 < 2 else s % 4 * 2 - 3)
-            for i in range(32):  # a loop, not slices: each slice made two array views
-                q_k4[row, 32 * at + i] = q[row, 32 * s + i]
     if levels == 2:
         for s in range(k // 16):
             pair16[b, s] = 256 * bsum16[b, s] + bsum16[batch + b, s]
-        for s in range(k // 32):
-            pair32[b, s] = 256 * bsum32[b, s] + bsum32[batch + b, s]
 
 
 @numba.njit(**JIT)
-def _quantize_k(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
+def _quantize_k(x, levels, q, d, bsum16, bsum32, pair16):
     """:func:`_quantize_k_row` for every row."""
     for b in range(x.shape[0]):
-        _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+        _quantize_k_row(x, b, levels, q, d, bsum16, bsum32, pair16)
 
 
 @numba.njit(**PARALLEL)
-def _quantize_k_parallel(x, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32):
+def _quantize_k_parallel(x, levels, q, d, bsum16, bsum32, pair16):
     """:func:`_quantize_k` with the rows over numba's threads (the same values)."""
     for b in numba.prange(x.shape[0]):
-        _quantize_k_row(x, b, levels, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+        _quantize_k_row(x, b, levels, q, d, bsum16, bsum32, pair16)
+
+
+@numba.njit(**INLINE)
+def _q4_k_order_row(q, b, q_k4):
+    """Row ``b`` of :attr:`Q8KActivations.q_k4`: 32-element runs 0 1 2 3 of each 128 to
+    0 2 1 3."""
+    for c in range(q.shape[1] // 128):
+        for run in range(4):
+            at = run if run == 0 or run == 3 else 3 - run
+            for i in range(32):
+                q_k4[b, 128 * c + 32 * at + i] = q[b, 128 * c + 32 * run + i]
+
+
+@numba.njit(**JIT)
+def _q4_k_order(q, q_k4):
+    for b in range(q.shape[0]):
+        _q4_k_order_row(q, b, q_k4)
+
+
+@numba.njit(**PARALLEL)
+def _q4_k_order_parallel(q, q_k4):
+    for b in numba.prange(q.shape[0]):
+        _q4_k_order_row(q, b, q_k4)
 
 
 @numba.njit(**INLINE)
@@ -251,7 +291,7 @@ def quantize_super_blocks(x: np.ndarray, levels: int = 1) -> Q8KActivations:
         raise ValueError(f"activations must be [B, K], got {x.shape}")
     act = _super_block_buffers(*x.shape, levels)
     quantize = _by_rows(x.shape[0], _quantize_k, _quantize_k_parallel)
-    quantize(x, levels, act.q, act.q_k4, act.d, act.bsum16, act.bsum32, *_pairs(act))
+    quantize(x, levels, act.q, act.d, act.bsum16, act.bsum32, _pair16(act))
     return act
 
 
@@ -277,19 +317,16 @@ def _super_block_buffers(b: int, k: int, levels: int) -> Q8KActivations:
         np.empty((n, k // SUPER_BLOCK), np.float32),
         np.empty((n, k // 16), np.int32),
         np.empty((n, k // 32), np.int32),
-        padded_rows(n, k, np.int8),
+        np.empty((b, k // 16), np.int32) if levels == 2 else None,
     )
-    if levels == 2:
-        act.pair16 = np.empty((b, k // 16), np.int32)
-        act.pair32 = np.empty((b, k // 32), np.int32)
     return act
 
 
 _NO_PAIRS = np.empty((0, 0), np.int32)
 
 
-def _pairs(act: Q8KActivations) -> tuple[np.ndarray, np.ndarray]:
-    return (act.pair16, act.pair32) if act.pair16 is not None else (_NO_PAIRS, _NO_PAIRS)
+def _pair16(act: Q8KActivations) -> np.ndarray:
+    return act.pair16 if act.pair16 is not None else _NO_PAIRS
 
 
 @dataclass
@@ -481,8 +518,7 @@ def prepared_activations(
         act = _super_block_buffers(b, k, 2)
         prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
         prepare(
-            x, op, w, eps, residual, src, act.q, act.q_k4, act.d, act.bsum16, act.bsum32,
-            *_pairs(act),
+            x, op, w, eps, residual, src, act.q, act.d, act.bsum16, act.bsum32, _pair16(act),
         )  # fmt: skip
     act.source = src
     return act
@@ -502,9 +538,19 @@ def _prepare_row(x, b, op, w, eps, residual, out):
         for i in range(k):
             x[b, i] += residual[b, i]
     if op == RMS_NORM:
+        # eight partial sums, so that the float64 adds are not one chain of K latencies
+        # (each square is exact in float64; the partials' order changes the total's last
+        # bits at most)
+        part = np.zeros(8, np.float64)
+        tail = k - k % 8
+        for i0 in range(0, tail, 8):
+            for j in range(8):
+                part[j] += np.float64(x[b, i0 + j]) * np.float64(x[b, i0 + j])
         total = 0.0
-        for i in range(k):
+        for i in range(tail, k):
             total += np.float64(x[b, i]) * np.float64(x[b, i])
+        for j in range(8):
+            total += part[j]
         inv = np.float32(1.0 / np.sqrt(total / k + eps))
         for i in range(k):
             out[b, i] = x[b, i] * inv * w[i]
@@ -544,18 +590,14 @@ def _prepared_two_level_parallel(x, op, w, eps, residual, src, q, scale, sum16, 
 
 
 @numba.njit(**JIT)
-def _prepared_super_blocks(
-    x, op, w, eps, residual, src, q, q_k4, d, bsum16, bsum32, pair16, pair32
-):
+def _prepared_super_blocks(x, op, w, eps, residual, src, q, d, bsum16, bsum32, pair16):
     for b in range(src.shape[0]):
         _prepare_row(x, b, op, w, eps, residual, src)
-        _quantize_k_row(src, b, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+        _quantize_k_row(src, b, 2, q, d, bsum16, bsum32, pair16)
 
 
 @numba.njit(**PARALLEL)
-def _prepared_super_blocks_parallel(
-    x, op, w, eps, residual, src, q, q_k4, d, bsum16, bsum32, pair16, pair32
-):
+def _prepared_super_blocks_parallel(x, op, w, eps, residual, src, q, d, bsum16, bsum32, pair16):
     for b in numba.prange(src.shape[0]):
         _prepare_row(x, b, op, w, eps, residual, src)
-        _quantize_k_row(src, b, 2, q, q_k4, d, bsum16, bsum32, pair16, pair32)
+        _quantize_k_row(src, b, 2, q, d, bsum16, bsum32, pair16)

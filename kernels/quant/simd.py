@@ -50,6 +50,7 @@ __all__ = [
     "expand_codes",
     "f16_to_f32",
     "float_dot",
+    "float_dots4",
     "prefetch",
     "quantize32",
     "quantize256",
@@ -354,6 +355,69 @@ def float_dot(typingctx, a, b, n):
             sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
             builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
         return builder.fadd(_tree_sum(builder, builder.load(acc)), builder.load(tail))
+
+    return sig, codegen
+
+
+def _four_sums(builder, vs):
+    """The lane sums of four 16-lane float vectors as one 4-lane vector, by halving the
+    lanes of all four at once (ten shuffles and five adds, against four of each per vector
+    summed alone; a fixed order, as :func:`_tree_sum`)."""
+
+    def add(x, y, lo: list[int], hi: list[int]):
+        pick = _vec(I32, len(lo))
+        return builder.fadd(
+            builder.shuffle_vector(x, y, ir.Constant(pick, lo)),
+            builder.shuffle_vector(x, y, ir.Constant(pick, hi)),
+        )
+
+    # lanes 0-7: the first vector's halves summed, 8-15: the second's (16 on: y's lanes)
+    lo16, hi16 = [*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)]
+    a, b = add(vs[0], vs[1], lo16, hi16), add(vs[2], vs[3], lo16, hi16)
+    # lanes 4j .. 4j + 3: vector j's four partial sums
+    c = add(a, b, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27],
+            [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31])  # fmt: skip
+    d = add(c, c, [0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15])
+    return add(d, d, [0, 2, 4, 6], [1, 3, 5, 7])
+
+
+@intrinsic
+def float_dots4(typingctx, a, a_step, b, n, out):
+    """``out[j] = sum_i a[j * a_step + i] * b[i]`` for ``j < 4`` over ``n`` float32 (``a``,
+    ``b``, ``out`` addresses, ``a_step`` in bytes), in a fixed order: 16 lanes each, the
+    four vectors' lanes summed together (:func:`_four_sums`), then a scalar tail. Four
+    query heads' scores against one key row: a lone dot's lane sum costs more than its
+    multiply-adds at a head's 64 or 128 elements."""
+    sig = types.void(types.uintp, types.intp, types.uintp, types.intp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        a_a, step, b_a, n_v, o_a = args
+        v16 = _vec(F32, 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(4)]
+        chunks = builder.udiv(n_v, I64(16))
+        with cgutils.for_range(builder, chunks) as loop:
+            off = builder.mul(loop.index, I64(64))
+            vb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(v16)), align=4)
+            for j, acc in enumerate(accs):
+                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), off)
+                va = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
+                builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
+        sums = _four_sums(builder, [builder.load(acc) for acc in accs])
+        tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(4)]
+        fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
+        with cgutils.for_range(builder, n_v, start=builder.mul(chunks, I64(16))) as loop:
+            off = builder.mul(loop.index, I64(4))
+            sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
+            for j, tail in enumerate(tails):
+                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), off)
+                sa = builder.load(builder.inttoptr(at, ir.PointerType(F32)), align=4)
+                builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
+        for j, tail in enumerate(tails):
+            total = builder.fadd(builder.extract_element(sums, I32(j)), builder.load(tail))
+            builder.store(
+                total, builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32))
+            )
+        return context.get_dummy_value()
 
     return sig, codegen
 

@@ -367,6 +367,25 @@ def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shape
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+# query heads per KV head: 4 (Llama-3.2-1B, Gemma 3) four at a time, 7 (Qwen2-7B) four
+# then three one by one, 1 one by one; fp32 pages also at head widths with a tail past
+# their last 16 lanes (quantized pages need multiples of 32)
+@pytest.mark.parametrize(
+    "fmts, heads, head_dim",
+    [
+        *[((FP32, FP32), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 80), ((12, 3), 40))],
+        *[((asym(4), asym(8)), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 96))],
+    ],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("shapes", [DECODE, [(300, 1)]], ids=["batch5", "batch1"])
+def test_numba_decode_head_groupings(fmts, heads, head_dim, shapes):
+    case = make_case(shapes, 16, *heads, head_dim, fmt_k=fmts[0], fmt_v=fmts[1])
+    ref = case.paged()
+    assert _max_err(case.paged(paged_decode_numba), ref) < EXACT
+
+
 def test_numba_decode_exp_is_within_a_few_ulps():
     """The decode kernel's vectorised exp of scores less their maximum (x <= 0): within
     3e-7 of float64's exp down to -87, where float32 keeps normal numbers; below, tiny."""
