@@ -15,6 +15,7 @@ is read in: the super-block format is made from the per-32 one's source on first
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numba
@@ -59,35 +60,29 @@ class Q8KActivations:
     coarse: tuple | None = field(default=None, repr=False)  # :meth:`coarse_levels`
     # the float activations these came from, when made by prepared_activations
     source: np.ndarray | None = field(default=None, repr=False)
-    # made on first use (:attr:`q_k4`, :attr:`pair32`): the tile kernels read neither,
-    # and writing both took half of quantizing 16 tokens of 2,048
-    _q_k4: np.ndarray | None = field(default=None, repr=False)
-    _pair32: np.ndarray | None = field(default=None, repr=False)
+    # q_k4 and pair32 are made on first use: the tile kernels read neither, and writing
+    # both took half of quantizing 16 tokens of 2,048
 
-    @property
+    @functools.cached_property
     def q_k4(self) -> np.ndarray:
         """int8 ``[B, K]``: ``q`` in Q4_K's order, the second and third 32 of every 128
         swapped. A Q4_K super-block's 64 code bytes hold elements 0-31 (low nibbles) and
         32-63 (high) of each 64: one vector of unpacked nibbles meets elements 0-31 and
         64-95, which in this order are 64 contiguous codes (one load per 64 instead of two
         and a shuffle). Made once."""
-        if self._q_k4 is None:
-            rows, k = self.q.shape
-            q_k4 = padded_rows(rows, k, np.int8)
-            _by_rows(rows, _q4_k_order, _q4_k_order_parallel)(self.q, q_k4)
-            self._q_k4 = q_k4
-        return self._q_k4
+        rows, k = self.q.shape
+        q_k4 = padded_rows(rows, k, np.int8)
+        _by_rows(rows, _q4_k_order, _q4_k_order_parallel)(self.q, q_k4)
+        return q_k4
 
-    @property
+    @functools.cached_property
     def pair32(self) -> np.ndarray | None:
         """Two levels only: int32 ``[B, K // 32]``, :attr:`pair16`'s sums per 32. Made
         once."""
         if self.pair16 is None:
             return None
-        if self._pair32 is None:
-            b = self.pair16.shape[0]
-            self._pair32 = np.int32(256) * self.bsum32[:b] + self.bsum32[b : 2 * b]
-        return self._pair32
+        b = self.pair16.shape[0]
+        return np.int32(256) * self.bsum32[:b] + self.bsum32[b : 2 * b]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -517,9 +512,7 @@ def prepared_activations(
     else:
         act = _super_block_buffers(b, k, 2)
         prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
-        prepare(
-            x, op, w, eps, residual, src, act.q, act.d, act.bsum16, act.bsum32, _pair16(act),
-        )  # fmt: skip
+        prepare(x, op, w, eps, residual, src, act.q, act.d, act.bsum16, act.bsum32, _pair16(act))
     act.source = src
     return act
 
