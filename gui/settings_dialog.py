@@ -44,6 +44,7 @@ from PySide6.QtWidgets import (
 
 from engine import paths
 from engine.cache.disk_tier import default_budget, delete_stores, list_stores
+from engine.cache.formats import width_name
 from engine.cache.kv_cache import CacheSettings
 from engine.device import DEFAULT_DEVICE, parse_device
 from engine.generator.generator import GeneratorSettings
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from engine.remote.engine import RemoteSettings
     from gui.bridge import ModelInfo
 
-KV_BITS = (None, 8, 6, 5, 4, 3, 2)  # None: full precision (fp32)
+KV_BITS = (None, 32, 8, 6, 5, 4, 3, 2)  # None: unquantized, fp16 (engine.cache.formats)
 PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 MB = 1 << 20
 GB = 10**9
@@ -788,5 +789,7 @@ def _device_combo() -> QComboBox:
 def _bits_combo() -> QComboBox:
     combo = QComboBox()
     for bits in KV_BITS:
-        combo.addItem("full precision" if bits is None else f"{bits}-bit", bits)
+        name = width_name(bits)
+        text = {"fp16": "16-bit float (default)", "fp32": "32-bit float (exact)"}.get(name, name)
+        combo.addItem(text, bits)
     return combo

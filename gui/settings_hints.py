@@ -165,10 +165,20 @@ def budget_hint(
     return Hint(line, detail)
 
 
+def _resolved(bits: int | None) -> int:
+    """A K or V width with None (the unquantized default) as its 16 or 32."""
+    from engine.cache.formats import width_name
+
+    return int(width_name(bits).removeprefix("fp").removesuffix("-bit"))
+
+
 def kv_format_name(k_bits: int | None, v_bits: int | None) -> str:
-    if k_bits is None and v_bits is None:
-        return "full precision"
-    return f"K{k_bits or 32}/V{v_bits or 32}"
+    """ "fp16" / "fp32" for unquantized K and V alike, else "K8/V4" (16 or 32 for either
+    when unquantized)."""
+    k, v = _resolved(k_bits), _resolved(v_bits)
+    if k == v and k in (16, 32):
+        return f"fp{k}"
+    return f"K{k}/V{v}"
 
 
 def kv_quality_hint(k_bits: int | None, v_bits: int | None) -> Hint:
@@ -183,19 +193,20 @@ def kv_quality_hint(k_bits: int | None, v_bits: int | None) -> Hint:
         if (k, v) != (32, 32)
     )
     detail = (
-        f"Perplexity against full precision ({MEASURED_ON}): {listing}. Lower perplexity "
+        f"Perplexity against fp32 ({MEASURED_ON}): {listing}. Lower perplexity "
         "means the model predicts text better; other models may differ."
     )
     name = kv_format_name(k_bits, v_bits)
-    if k_bits is None and v_bits is None:
-        return Hint("Full precision (fp32): the model's own quality, the most memory.", detail)
-    record = measured.get((k_bits or 32, v_bits or 32))
+    key = (_resolved(k_bits), _resolved(v_bits))
+    if key == (32, 32):
+        return Hint("fp32: the model's own arithmetic, twice fp16's memory.", detail)
+    record = measured.get(key)
     if record is None:
         return Hint(f"{name} was not measured; measured: {listing}.", detail)
     share = record.kv_bytes_per_token / record.fp32_bytes_per_token
     return Hint(
-        f"{name}: perplexity {_percent(record.vs_fp32)} against full precision, in "
-        f"{share:.0%} of its memory (measured on SmolLM2-135M).",
+        f"{name}: perplexity {_percent(record.vs_fp32)} against fp32, in "
+        f"{share:.0%} of its memory (SmolLM2-135M).",
         detail,
     )
 

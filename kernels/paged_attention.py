@@ -292,10 +292,14 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 if HAS_NUMBA:
     from kernels.quant.fastexp import exp_into
-    from kernels.quant.simd import float_dot, float_dots4, prefetch
+    from kernels.quant.simd import HAS_F16C, float_dot, float_dots4, halves_to_floats, prefetch
 
     _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
-    # float32 pages: each task asks this many slots ahead of the one it reads into L2. A
+    # Unquantized pages come to the kernel as ``bits`` 0 (float32) or 16 (fp16, as the
+    # float32 view of their bytes: [P, S, kv_heads, head_dim / 2], the same byte strides;
+    # a row is widened into the task's float32 scratch row before its dot products).
+    #
+    # Unquantized pages: each task asks this many slots ahead of the one it reads into L2. A
     # task reads one KV head's rows, 256 bytes every kv_heads * 256, which crosses a 4 KB
     # page every few slots, where the hardware's stream prefetch stops (Llama-3.2-1B
     # shapes, 3,000 tokens, 16 layers' pages cold, 2 threads: 0.95 -> 0.79 ms a layer)
@@ -368,10 +372,11 @@ if HAS_NUMBA:
             shifted = np.empty(page_size, dtype=np.float32)
             bits = np.empty(page_size, dtype=np.int32)
             k_rows, v_rows = kd.strides[1], vd.strides[1]  # bytes from a slot to the next
-            ahead = 4 * head_dim * heads_per_task  # the task's bytes of one slot
+            k_ahead = (2 if kbits == 16 else 4) * head_dim * heads_per_task  # a slot's bytes
+            v_ahead = (2 if vbits == 16 else 4) * head_dim * heads_per_task
             # the task's queries times the softmax scale (float32 products: torch's q * scale)
             qs = np.empty((rows, head_dim), dtype=np.float32)
-            q_step, k_head = qs.strides[0], kd.strides[2]
+            q_step, k_head, v_head = qs.strides[0], kd.strides[2], vd.strides[2]
             four = np.empty(4, dtype=np.float32)
             for j in range(rows):
                 for d in range(head_dim):
@@ -384,12 +389,17 @@ if HAS_NUMBA:
                 v_at = vd.ctypes.data + page * vd.strides[0] + h0 * vd.strides[2]
                 # scores for the whole page, then one rescale per query head
                 for slot in range(first, last):
-                    if kbits == 0:  # past the page's end: another page's rows, or nothing
-                        prefetch(k_at + (slot + _SLOTS_AHEAD) * k_rows, ahead)
+                    if kbits == 0 or kbits == 16:  # past the page's end: another page's
+                        prefetch(k_at + (slot + _SLOTS_AHEAD) * k_rows, k_ahead)  # or none
                     for hh in range(heads_per_task):
                         h = h0 + hh
                         if kbits == 0:  # fp32 pages: read in place
                             k_row = k_at + slot * k_rows + hh * k_head
+                        elif kbits == 16:
+                            halves_to_floats(
+                                k_at + slot * k_rows + hh * k_head, row.ctypes.data, head_dim
+                            )
+                            k_row = row.ctypes.data
                         else:
                             _load_row(kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row)
                             k_row = row.ctypes.data
@@ -432,8 +442,8 @@ if HAS_NUMBA:
                         total[j] += scores[j, slot]
                     best[j] = new_best
                 for slot in range(first, last):
-                    if vbits == 0:
-                        prefetch(v_at + (slot + _SLOTS_AHEAD) * v_rows, ahead)
+                    if vbits == 0 or vbits == 16:
+                        prefetch(v_at + (slot + _SLOTS_AHEAD) * v_rows, v_ahead)
                     for hh in range(heads_per_task):
                         h = h0 + hh
                         if vbits == 0:
@@ -442,7 +452,14 @@ if HAS_NUMBA:
                                 for d in range(head_dim):
                                     acc[hh * group + g, d] += w * vd[page, slot, h, d]
                         else:
-                            _load_row(vd, vc, vs, vz, vasym, half_table, vbits, page, slot, h, row)
+                            if vbits == 16:
+                                halves_to_floats(
+                                    v_at + slot * v_rows + hh * v_head, row.ctypes.data, head_dim
+                                )
+                            else:
+                                _load_row(
+                                    vd, vc, vs, vz, vasym, half_table, vbits, page, slot, h, row
+                                )
                             for g in range(group):
                                 w = scores[hh * group + g, slot]
                                 for d in range(head_dim):
@@ -460,8 +477,12 @@ if HAS_NUMBA:
 
 
 def _numba_store(fmt: KVFormat, store: dict[str, torch.Tensor]):
-    """(data, codes, scales, zeros, asymmetric, bits) numpy views of a store for the kernel."""
+    """(data, codes, scales, zeros, asymmetric, bits) numpy views of a store for the kernel:
+    ``bits`` 0 for float32 pages, 16 for fp16 ones (``data`` then their bytes as float32)."""
     if fmt.bits is None:
+        if fmt.dtype == torch.float16:
+            data = store["data"].view(torch.float32).numpy()
+            return data, _NO_CODES, _NO_SCALES, _NO_SCALES, False, 16
         return store["data"].numpy(), _NO_CODES, _NO_SCALES, _NO_SCALES, False, 0
     # the words' bytes: code i of a group is bits [i*b, (i+1)*b) of its little-endian bytes
     codes = store["codes"].numpy().view(np.uint8)
@@ -472,13 +493,24 @@ def _numba_store(fmt: KVFormat, store: dict[str, torch.Tensor]):
     return _NO_DATA, codes, scales, _NO_SCALES, False, fmt.bits
 
 
+# whether the numba kernels (this decode kernel, kernels.rope's store) read and write fp16
+# pages: they widen and round halves with F16C's instructions
+CPU_HALF_PAGES = HAS_NUMBA and _LITTLE_ENDIAN and HAS_F16C
+
+
 def numba_supported(q: torch.Tensor, fmt_k: KVFormat, fmt_v: KVFormat) -> bool:
-    """Whether :func:`paged_decode_numba` handles this call (CPU; fp32 or quantized pages)."""
+    """Whether :func:`paged_decode_numba` handles this call (CPU; fp32, fp16 where the CPU
+    converts halves (F16C), or quantized pages)."""
     return (
         HAS_NUMBA
         and _LITTLE_ENDIAN
         and q.device.type == "cpu"
-        and all(f.bits is not None or f.dtype == torch.float32 for f in (fmt_k, fmt_v))
+        and all(
+            f.bits is not None
+            or f.dtype == torch.float32
+            or (f.dtype == torch.float16 and CPU_HALF_PAGES)
+            for f in (fmt_k, fmt_v)
+        )
     )
 
 
@@ -496,12 +528,14 @@ def paged_decode_numba(
     One task per sequence (all its KV heads) when the batch fills the threads, else per
     (sequence, KV head): scores of the query heads sharing a KV head over a whole page,
     one online-softmax rescale per page, quantized rows decoded in the rotated
-    domain on the fly.  CPU tensors with fp32 or quantized pages only (see
+    domain on the fly.  CPU tensors with fp32, fp16 or quantized pages (see
     :func:`numba_supported`).
     """
     _check_call(q, kv, block_tables, seq_lens, q_lens, decode_path="paged_decode_numba")
     if not numba_supported(q, kv.fmt_k, kv.fmt_v):
-        raise ValueError("paged_decode_numba needs numba, CPU tensors and fp32 or quantized pages")
+        raise ValueError(
+            "paged_decode_numba needs numba, CPU tensors and fp32, fp16 or quantized pages"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError("sliding_window must be at least 1")
     return decode_numba_unchecked(
@@ -606,7 +640,7 @@ def paged_attention(
 
     CUDA tensors: the Triton kernel (the reference when triton is missing).  CPU: steps
     where every sequence decodes one token go to the numba kernel (when numba is installed
-    and the pages are fp32 or quantized) or else :func:`paged_decode`; anything with a
+    and the pages are fp32, fp16 or quantized) or else :func:`paged_decode`; anything with a
     prefill chunk goes to the SDPA reference.
     """
     args = (q, kv, block_tables, seq_lens, q_lens, scale, sliding_window)

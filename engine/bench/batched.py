@@ -72,15 +72,26 @@ def _weights_label(loaded: LoadedModel) -> str:
 
 
 def batched_case(
-    loaded: LoadedModel, pp: int, tg: int, b: int, shared: bool, cuda_graphs: bool = True
+    loaded: LoadedModel,
+    pp: int,
+    tg: int,
+    b: int,
+    shared: bool,
+    cuda_graphs: bool = True,
+    kv_bits: int | None = None,
 ) -> dict:
     """One row of the table. On a GPU with ``cuda_graphs`` the decode steps replay CUDA
-    graphs, which the case's first decode step of each batch size captures (in T_TG)."""
+    graphs, which the case's first decode step of each batch size captures (in T_TG).
+    ``kv_bits``: 16 / 32 for fp16 / fp32 K/V pages (None: the cache's default)."""
     # Every prompt prefilled in the first step, as llama-batched-bench does.
     pages = b * -(-(pp + tg) // PAGE_SIZE) + 2
+    cache = CacheSettings(
+        page_size=PAGE_SIZE, token_budget=pages * PAGE_SIZE, k_bits=kv_bits, v_bits=kv_bits
+    )
     gen = _generator(
         loaded,
         pages * PAGE_SIZE,
+        cache,
         max_batch_size=b,
         max_prefill_tokens=b * pp + 1,
         cuda_graphs=cuda_graphs,

@@ -20,7 +20,7 @@ MODEL_SHAPE = (30, 3, 64)  # SmolLM2-135M's layers, KV heads and head size
 
 @dataclass(frozen=True)
 class KVQuantRecord:
-    """One line of `folio bench kv-quant`: bits 32 stands for unquantized (fp32)."""
+    """One line of `folio bench kv-quant`: bits 32 / 16 stand for unquantized fp32 / fp16."""
 
     k_bits: int
     v_bits: int
@@ -32,17 +32,18 @@ class KVQuantRecord:
 
 # (k_bits, v_bits, perplexity, vs_fp32, KV bytes per token), docs/KV_QUANT.md
 _RECORDS = (
-    (32, 32, 10.862, 0.0, 46_080),
-    (8, 8, 10.865, 0.0003, 12_960),
-    (6, 6, 10.893, 0.0028, 10_080),
-    (4, 4, 11.066, 0.0188, 7_200),
-    (2, 2, 24.54, 1.26, 4_320),
-    (8, 4, 10.907, 0.0042, 10_080),
+    (32, 32, 10.8342, 0.0, 46_080),
+    (16, 16, 10.8342, 0.0, 23_040),
+    (8, 8, 10.8383, 0.00038, 12_960),
+    (6, 6, 10.8685, 0.00317, 10_080),
+    (4, 4, 11.0411, 0.0191, 7_200),
+    (2, 2, 24.417, 1.2537, 4_320),
+    (8, 4, 10.8763, 0.00389, 10_080),
 )
 
 
 def measured_formats() -> dict[tuple[int, int], KVQuantRecord]:
-    """The recorded formats by (K bits, V bits), 32 for unquantized."""
+    """The recorded formats by (K bits, V bits), 32 / 16 for unquantized fp32 / fp16."""
     fp32 = _RECORDS[0][4]
     return {
         (k, v): KVQuantRecord(k, v, ppl, change, per_token, fp32)

@@ -85,9 +85,11 @@ def _folio_figures(
     batches: tuple[int, ...],
     device: str = "cpu",
     prompt_tokens: int = PROMPT_TOKENS,
+    kv_bits: int | None = None,
 ) -> dict:
     """In a child process: load, first token, prefill, decode, S_TG; its own peak RSS
-    (and on a GPU the allocator's peak)."""
+    (and on a GPU the allocator's peak). ``kv_bits``: 16 / 32 for fp16 / fp32 K/V pages
+    (None: the cache's default)."""
     torch.set_num_threads(threads)
     from engine.bench.batched import batched_case
     from engine.bench.forward import decode_graphs_for, prefill_then_decode
@@ -101,7 +103,7 @@ def _folio_figures(
     load_s = time.perf_counter() - t
     rss_loaded = rss_bytes()
     tokens = max(4096, prompt_tokens + 256)
-    settings = CacheSettings(page_size=256, token_budget=tokens)
+    settings = CacheSettings(page_size=256, token_budget=tokens, k_bits=kv_bits, v_bits=kv_bits)
     t = time.perf_counter()
     warm_up(loaded, settings)
     warm_up_s = time.perf_counter() - t
@@ -119,7 +121,7 @@ def _folio_figures(
     peak_rss = peak_rss_bytes()
     s_tg = {}
     for b in batches:
-        row = batched_case(loaded, 128, tg, b, False)
+        row = batched_case(loaded, 128, tg, b, False, kv_bits=kv_bits)
         s_tg[str(b)] = row["S_TG"]
     gpu = {}
     if loaded.device.type == "cuda":
@@ -252,6 +254,7 @@ def _fastest(rate) -> float:
 
 def run_shape_bench(args: Namespace) -> None:
     from engine.bench.shapes import make_shape_gguf, mix_report
+    from engine.cache.formats import width_name
     from kernels.quant.bench import read_bandwidth
 
     def progress(fraction: float, what: str) -> None:
@@ -267,8 +270,10 @@ def run_shape_bench(args: Namespace) -> None:
     batches = tuple(args.batch)
     device = str(getattr(args, "device", "cpu"))
     prompt = getattr(args, "prompt_tokens", None) or PROMPT_TOKENS
+    kv_bits = getattr(args, "kv_bits", None)
     base = {"bench": "forward", "shape": args.shape, "quant": args.quant, "file_bytes": path.stat().st_size,
-            "threads": threads, "device": device, "prompt_tokens": prompt, "tg": args.tg}  # fmt: skip
+            "threads": threads, "device": device, "prompt_tokens": prompt, "tg": args.tg,
+            "kv": width_name(kv_bits)}  # fmt: skip
     _emit({**base, "mix": mix_report(args.shape, args.quant)})
     _warm_page_cache(path)
     torch.set_num_threads(threads)
@@ -282,7 +287,7 @@ def run_shape_bench(args: Namespace) -> None:
     for r in range(rounds):  # in turns: a slow minute of the host hits one round, not an engine
         numbered = {"round": r + 1} if rounds > 1 else {}
         folio = _in_child(
-            _folio_figures, str(path), weights, threads, args.tg, batches, device, prompt
+            _folio_figures, str(path), weights, threads, args.tg, batches, device, prompt, kv_bits
         )
         if repacking is not None:
             folio["load_repacking_s"] = round(repacking, 2)

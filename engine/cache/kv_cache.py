@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.cache.disk_tier import DiskTier, store_dir
-from engine.cache.formats import kv_formats
+from engine.cache.formats import default_dense, format_bits, kv_formats
 from engine.cache.host_tier import HostTier
 from engine.cache.page import CacheFingerprint
 from engine.cache.page_table import PageTable
@@ -49,7 +49,9 @@ class CacheSettings:
     page_size: int = DEFAULT_PAGE_SIZE
     token_budget: int | None = DEFAULT_TOKEN_BUDGET  # pages = budget / page_size
     byte_budget: int | None = None  # wins over token_budget when set
-    k_bits: int | None = None  # None: fp32; 2..8: quantized (kernels/kvquant.py)
+    # 2..8: quantized (kernels/kvquant.py); 16 / 32: fp16 / fp32 pages; None: fp16, or
+    # fp32 on a CPU whose kernels cannot read halves (engine.cache.formats.default_dense)
+    k_bits: int | None = None
     v_bits: int | None = None
     host_bytes: int = 0  # host-tier budget; 0 disables the tier
     eviction: str = "tail_first"
@@ -60,6 +62,17 @@ class CacheSettings:
         ps = self.page_size
         if ps < 16 or ps > 1024 or ps & (ps - 1):
             raise ValueError(f"page size must be a power of two from 16 to 1024, not {ps}")
+        for name in ("k_bits", "v_bits"):
+            bits = getattr(self, name)
+            if bits is not None and bits not in (2, 3, 4, 5, 6, 7, 8, 16, 32):
+                raise ValueError(
+                    f"{name} must be 2..8 (quantized), 16 or 32 (fp16 / fp32), not {bits}"
+                )
+
+    @property
+    def k_quantized(self) -> bool:
+        """Whether K is stored quantized (then relative to the model's key means)."""
+        return self.k_bits is not None and self.k_bits <= 8
 
 
 @dataclass
@@ -143,10 +156,6 @@ def _longest_context(batch: StepBatch) -> int:
     return int(batch.host[1].max()) if batch.host is not None else int(batch.seq_lens.max())
 
 
-def _dense_bits(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits
-
-
 @dataclass(frozen=True)
 class KeyCalibration:
     """Per layer, the mean pre-RoPE key (after k_norm where the model has one) over a fixed
@@ -165,6 +174,13 @@ class KeyCalibration:
         for t in (means, *inv_freq):
             h.update(t.float().contiguous().numpy().tobytes())
         return cls(means.float(), tuple(f.float() for f in inv_freq), source, h.hexdigest())
+
+
+def _host_view(data: torch.Tensor) -> np.ndarray:
+    """CPU pages as numpy: float32 as they are, fp16 as their uint16 bit patterns."""
+    if data.dtype == torch.float16:
+        return data.view(torch.int16).numpy().view(np.uint16)
+    return data.numpy()
 
 
 class KVCache:
@@ -187,9 +203,9 @@ class KVCache:
         self.settings = settings
         self.page_size = settings.page_size
         self.device = torch.device(device)
-        # Unquantized pages: float32 on the CPU (its kernels read them in place), fp16 on
-        # a GPU (half the bytes, and what the Triton kernel reads natively).
-        dense = torch.float32 if self.device.type == "cpu" else torch.float16
+        # Unquantized pages: fp16 unless asked for fp32 (half the bytes; the Triton kernel
+        # reads them natively, the CPU's numba kernels through F16C's conversions)
+        dense = default_dense(self.device.type)
         self.fmt_k, self.fmt_v = kv_formats(settings.k_bits, settings.v_bits, dense)
         k_alloc = kvformat_allocator(self.fmt_k, kv_heads, head_dim, self.device)
         v_alloc = kvformat_allocator(self.fmt_v, kv_heads, head_dim, self.device)
@@ -215,8 +231,8 @@ class KVCache:
         self.fingerprint = CacheFingerprint(
             fingerprint,
             self.page_size,
-            settings.k_bits or _dense_bits(dense),
-            settings.v_bits or _dense_bits(dense),
+            format_bits(self.fmt_k),
+            format_bits(self.fmt_v),
             self.calibration.digest if self.calibration is not None else "",
         )
         # what attention reads per layer; with a key offset, rebuilt when its tables grow
@@ -252,14 +268,15 @@ class KVCache:
         self._numba_stores = (
             [numba_stores(kv) for kv in self._layers] if self.numba_decode else None
         )
-        # float32 pages on the CPU as numpy views, which kernels.rope writes in place
-        dense = self.device.type == "cpu" and not (self.fmt_k.quantized or self.fmt_v.quantized)
+        # unquantized pages on the CPU as numpy views (fp16 as their bit patterns), which
+        # kernels.rope writes in place, where the numba kernels read them
+        unquantized = not (self.fmt_k.quantized or self.fmt_v.quantized)
         self._dense_pages = (
             [
-                (self.storage.k[i]["data"].numpy(), self.storage.v[i]["data"].numpy())
+                (_host_view(self.storage.k[i]["data"]), _host_view(self.storage.v[i]["data"]))
                 for i in range(num_layers)
             ]
-            if dense and self.fmt_k.dtype == self.fmt_v.dtype == torch.float32
+            if unquantized and self.numba_decode and self.fmt_k.dtype == self.fmt_v.dtype
             else None
         )
 
@@ -275,7 +292,7 @@ class KVCache:
         (engine/model/calibration.py)."""
         cfg = loaded.config
         settings = settings or CacheSettings()
-        if settings.k_bits is not None and calibration is None:
+        if settings.k_quantized and calibration is None:
             raise ValueError(
                 "a quantized K cache stores keys relative to the model's key means: pass "
                 "engine.model.calibration.calibration_for(loaded, settings)"
@@ -373,9 +390,10 @@ class KVCache:
         return offsets
 
     def dense_pages(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Layer ``layer``'s K and V pages as float32 numpy arrays ``[P, S, kv_heads,
-        head_dim]`` when they are stored so (unquantized, on the CPU), for kernels that
-        write a step's rows in place (``kernels.rope.rope_and_store``); else None."""
+        """Layer ``layer``'s K and V pages as numpy arrays ``[P, S, kv_heads, head_dim]``
+        when they are unquantized on the CPU (float32, or fp16 as uint16 bit patterns),
+        for kernels that write a step's rows in place (``kernels.rope.rope_and_store``);
+        else None."""
         return self._dense_pages[layer] if self._dense_pages is not None else None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
@@ -394,7 +412,7 @@ class KVCache:
         scale: float,
         sliding_window: int | None,
     ) -> np.ndarray:
-        """`attend` for a decode step (``batch.host``) on float32 pages (those
+        """`attend` for a decode step (``batch.host``) on unquantized pages (those
         `dense_pages` returns), numpy in and out: the numba kernel alone, no torch op."""
         kv = self._layer_kv(layer, batch)
         return decode_numba_arrays(

@@ -144,6 +144,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--batch", type=int, nargs="+", default=[4, 16], help="--shape: S_TG batch sizes"
     )
     fwd.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(16, 32),
+        help="--shape: K/V pages in fp16 (the default) or fp32",
+    )
+    fwd.add_argument(
         "--llama-cpp",
         type=Path,
         help="--shape: a folder with llama-bench and llama-batched-bench, run on the same file",
@@ -378,8 +384,16 @@ def _bench(args: argparse.Namespace) -> None:
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
-    parser.add_argument("--k-bits", type=int, help="quantize cached keys to 2..8 bits")
-    parser.add_argument("--v-bits", type=int, help="quantize cached values to 2..8 bits")
+    parser.add_argument(
+        "--k-bits",
+        type=int,
+        help="cached keys: 2..8 bits (quantized), 16 or 32 (fp16, the default, or fp32)",
+    )
+    parser.add_argument(
+        "--v-bits",
+        type=int,
+        help="cached values: 2..8 bits (quantized), 16 or 32 (fp16, the default, or fp32)",
+    )
 
 
 def _chat(args: argparse.Namespace) -> int:

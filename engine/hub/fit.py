@@ -2,8 +2,8 @@
 
 KV bytes per token are the page pool's own, priced by the cache's formats
 (``engine.cache.formats.kv_bytes_per_token``): an unquantized cache stores
-``layers * kv_heads * head_dim`` values for each of K and V at 4 (fp32) or 2 (fp16/bf16)
-bytes; a quantized K or V groups 32 values as ``b``-bit codes plus fp16 parameters per
+``layers * kv_heads * head_dim`` values for each of K and V at 2 (fp16, the default) or 4
+(fp32) bytes; a quantized K or V groups 32 values as ``b``-bit codes plus fp16 parameters per
 group, about ``b/8 + 4/32`` bytes per value. So the estimate follows the engine when its
 formats change. The cache is allocated in whole pages, so the context is rounded up to the
 page size.
@@ -53,17 +53,17 @@ class CachePlan:
 
     context_tokens: int = 4096
     page_size: int = 16
-    k_bits: int | None = None  # 2..8 for a quantized K cache; None keeps it unquantized
+    k_bits: int | None = None  # 2..8 quantized, 16 / 32 fp16 / fp32; None: the default
     v_bits: int | None = None
-    dense_bytes: int = 4  # bytes per value of an unquantized cache: 4 (fp32) or 2 (fp16/bf16)
+    dense_bytes: int | None = None  # an unquantized default's bytes a value (None: the CPU's)
 
     def __post_init__(self) -> None:
         if self.context_tokens < 1 or self.page_size < 1:
             raise ValueError("context and page size must be positive")
         for bits in (self.k_bits, self.v_bits):
-            if bits is not None and not 2 <= bits <= 8:
-                raise ValueError(f"KV cache bits must be 2..8, got {bits}")
-        if self.dense_bytes not in (2, 4):
+            if bits is not None and not (2 <= bits <= 8 or bits in (16, 32)):
+                raise ValueError(f"KV cache bits must be 2..8, 16 or 32, got {bits}")
+        if self.dense_bytes not in (None, 2, 4):
             raise ValueError("an unquantized KV cache stores 2 or 4 bytes per value")
 
     @property
@@ -78,17 +78,18 @@ def kv_bytes_per_token(
     head_dim: int,
     k_bits: int | None = None,
     v_bits: int | None = None,
-    dense_bytes: int = 4,
+    dense_bytes: int | None = None,
 ) -> int:
-    """Bytes one token takes in the KV cache, over all layers, K and V together; an
-    unquantized K or V stores ``dense_bytes`` per value (4: fp32, 2: fp16/bf16)."""
+    """Bytes one token takes in the KV cache, over all layers, K and V together; a K or V
+    of no given width stores ``dense_bytes`` per value (4: fp32, 2: fp16; None: what the
+    cache takes on this machine's CPU, `engine.cache.formats.default_dense`)."""
     import torch
 
     from engine.cache import formats
 
-    dense = {4: torch.float32, 2: torch.float16}.get(dense_bytes)
-    if dense is None:
+    if dense_bytes not in (None, 2, 4):
         raise ValueError("an unquantized KV cache stores 2 or 4 bytes per value")
+    dense = {None: None, 4: torch.float32, 2: torch.float16}[dense_bytes]
     kv = formats.kv_formats(k_bits, v_bits, dense)
     return formats.kv_bytes_per_token(num_layers, kv_heads, head_dim, kv)
 

@@ -48,19 +48,20 @@ def calibration_ids(loaded: LoadedModel, count: int = CALIBRATION_TOKENS) -> tup
 
 
 def calibrate_keys(loaded: LoadedModel, count: int = CALIBRATION_TOKENS) -> KeyCalibration:
-    """One forward over the calibration tokens into an unquantized cache (fp32; fp16 on a
-    GPU), then per layer the mean of the stored keys with their RoPE undone
-    (``R(p)^-1 = R(-p)``)."""
+    """One forward over the calibration tokens into an fp32 cache, then per layer the mean
+    of the stored keys with their RoPE undone (``R(p)^-1 = R(-p)``)."""
     cfg, model = loaded.config, loaded.model
     ids, source = calibration_ids(loaded, count)
-    settings = CacheSettings(page_size=DEFAULT_PAGE_SIZE, token_budget=len(ids))
+    settings = CacheSettings(
+        page_size=DEFAULT_PAGE_SIZE, token_budget=len(ids), k_bits=32, v_bits=32
+    )
     cache = KVCache(
         cfg.num_layers,
         cfg.num_kv_heads,
         cfg.head_dim,
         loaded.fingerprint,
         settings,
-        device=model.device,  # fp32 pages on the CPU, fp16 on a GPU
+        device=model.device,
     )
     batch = StepBatch.build([(list(range(cache.num_pages)), 0, len(ids))], cache.page_size)
     model.forward(torch.tensor(ids), batch, cache)
@@ -90,4 +91,4 @@ def key_calibration(loaded: LoadedModel) -> KeyCalibration:
 def calibration_for(loaded: LoadedModel, settings: CacheSettings) -> KeyCalibration | None:
     """What a cache with ``settings`` is handed: the model's key calibration when its K
     pages are quantized, else None (and nothing is computed)."""
-    return key_calibration(loaded) if settings.k_bits is not None else None
+    return key_calibration(loaded) if settings.k_quantized else None

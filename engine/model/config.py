@@ -87,7 +87,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, k_bits: int | None = None, v_bits: int | None = None) -> int:
         """Bytes one token's K and V take over all layers in a cache of these widths
-        (None: fp32), as the cache's formats price them."""
+        (None: the CPU's unquantized default), as the cache's formats price them."""
         # imported here: the hub reads configs without loading torch
         from engine.cache.formats import kv_bytes_per_token, kv_formats
 

@@ -58,8 +58,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_device_option(serve)
     serve.add_argument("--page-size", type=int, default=256)
     serve.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
-    serve.add_argument("--k-bits", type=int, help="quantize cached keys to 2..8 bits")
-    serve.add_argument("--v-bits", type=int, help="quantize cached values to 2..8 bits")
+    serve.add_argument(
+        "--k-bits",
+        type=int,
+        help="cached keys: 2..8 bits (quantized), 16 or 32 (fp16, the default, or fp32)",
+    )
+    serve.add_argument(
+        "--v-bits",
+        type=int,
+        help="cached values: 2..8 bits (quantized), 16 or 32 (fp16, the default, or fp32)",
+    )
     serve.add_argument(
         "--max-batch-size",
         type=int,

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.cache.formats import width_name
 from engine.cache.kv_cache import DEFAULT_TOKEN_BUDGET, CacheSettings
 from engine.hub.errors import HubError
 from engine.hub.fit import (
@@ -132,8 +133,7 @@ def cache_plan(settings: CacheSettings, shape: ModelShape | None) -> tuple[Cache
 
 def fit_arithmetic(fit: FitEstimate, plan: CachePlan, extra_note: str = "") -> str:
     """The tooltip of a fit chip: every term of the sum, so the label can be checked."""
-    k = f"{plan.k_bits}-bit" if plan.k_bits else "fp32"
-    v = f"{plan.v_bits}-bit" if plan.v_bits else "fp32"
+    k, v = width_name(plan.k_bits), width_name(plan.v_bits)
     lines = [f"weights {format_bytes(fit.weight_bytes)}"]
     if fit.kv_bytes:
         per_token = fit.kv_bytes // plan.cached_tokens
@@ -376,8 +376,7 @@ class DiscoverTab(QWidget):
             table.setItem(row, 4, note)
         table.resizeColumnToContents(3)
         if plan is not None:
-            k = f"{plan.k_bits}-bit K" if plan.k_bits else "fp32 K"
-            v = f"{plan.v_bits}-bit V" if plan.v_bits else "fp32 V"
+            k, v = f"{width_name(plan.k_bits)} K", f"{width_name(plan.v_bits)} V"
             free_text = format_bytes(free) if free is not None else "unknown"
             self.plan_label.setText(
                 f"Fit for {plan.context_tokens:,} cached tokens ({k}, {v}, pages of"

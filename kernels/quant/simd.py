@@ -51,6 +51,8 @@ __all__ = [
     "f16_to_f32",
     "float_dot",
     "float_dots4",
+    "floats_to_halves",
+    "halves_to_floats",
     "prefetch",
     "quantize32",
     "quantize256",
@@ -119,6 +121,66 @@ def f16_to_f32(typingctx, bits):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
 
     return sig, codegen
+
+
+def _convert_rows(builder, src, dst, n, src_t: ir.Type, dst_t: ir.Type, convert):
+    """``dst[i] = convert(src[i])`` for ``i < n`` at the addresses ``src``, ``dst``: 16
+    lanes at a time, then one by one."""
+    sb, db = (2 if t == I16 else 4 for t in (src_t, dst_t))
+    vs, vd = _vec(src_t, 16), _vec(dst_t, 16)
+    chunks = builder.udiv(n, I64(16))
+    with cgutils.for_range(builder, chunks) as loop:
+        at = builder.mul(loop.index, I64(16))
+        v = builder.load(
+            builder.inttoptr(builder.add(src, builder.mul(at, I64(sb))), ir.PointerType(vs)),
+            align=sb,
+        )
+        out = builder.inttoptr(builder.add(dst, builder.mul(at, I64(db))), ir.PointerType(vd))
+        builder.store(convert(v, vd), out, align=db)
+    with cgutils.for_range(builder, n, start=builder.mul(chunks, I64(16))) as loop:
+        s = builder.load(
+            builder.inttoptr(
+                builder.add(src, builder.mul(loop.index, I64(sb))), ir.PointerType(src_t)
+            ),
+            align=sb,
+        )
+        out = builder.inttoptr(
+            builder.add(dst, builder.mul(loop.index, I64(db))), ir.PointerType(dst_t)
+        )
+        builder.store(convert(s, dst_t), out, align=db)
+
+
+def _half_conversion(widen: bool):
+    """The codegen of :func:`halves_to_floats` (``widen``) and :func:`floats_to_halves`."""
+    src_t, dst_t = (I16, F32) if widen else (F32, I16)
+
+    def codegen(context, builder, signature, args):
+        def convert(v, t):
+            half = _vec(ir.HalfType(), 16) if isinstance(t, ir.VectorType) else ir.HalfType()
+            if widen:
+                return builder.fpext(builder.bitcast(v, half), t)
+            return builder.bitcast(builder.fptrunc(v, half), t)
+
+        _convert_rows(builder, *args, src_t, dst_t, convert)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def halves_to_floats(typingctx, src, dst, n):
+    """The ``n`` IEEE halves at address ``src`` as float32 at ``dst`` (``vcvtph2ps``, 16 at
+    a time): a row of fp16 K/V pages for the decode kernel. Exact. Needs F16C
+    (:data:`HAS_F16C`; without it LLVM would call a runtime function numba lacks)."""
+    return types.void(types.uintp, types.uintp, types.intp), _half_conversion(widen=True)
+
+
+@intrinsic
+def floats_to_halves(typingctx, src, dst, n):
+    """The ``n`` float32 at address ``src`` rounded to IEEE halves (to nearest, ties to
+    even: torch's ``.half()``) at ``dst`` as their bit patterns (``vcvtps2ph``, 16 at a
+    time): a token's K/V into fp16 pages. Needs F16C, as :func:`halves_to_floats`."""
+    return types.void(types.uintp, types.uintp, types.intp), _half_conversion(widen=False)
 
 
 # ---- the scaled dot product --------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 
 from engine.bench import shapes
 from engine.bench.restore import drop_page_cache
+from engine.cache.formats import default_dense
 
 PS = 32
 
@@ -27,8 +28,10 @@ def test_restore_bench_reads_back_every_full_page(tmp_path, smollm2_path):
     ).stdout  # fmt: skip
     (record,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     shape = shapes.SHAPES["tiny-llama"]
-    # fp32 K and V of every layer for one page of tokens
-    page_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * PS
+    # K and V of every layer for one page of tokens, unquantized (fp16, or fp32 on a CPU
+    # without F16C)
+    value_bytes = default_dense().itemsize
+    page_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * value_bytes * PS
     assert record["recompute"]["cached_tokens"] == 0 and record["recompute"]["disk_pages"] == 0
     for run in ("warm", "cold"):
         assert record[run]["disk_pages"] == 4

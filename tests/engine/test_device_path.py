@@ -5,6 +5,8 @@ forward on the weights gguf's dequantizer makes of the same bytes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -12,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.cache.kv_cache import CacheSettings, KVCache, StepBatch
 from engine.model.errors import ModelLoadError
 from engine.model.loader import load_model
+from kernels.paged_attention import CPU_HALF_PAGES
 from kernels.quant.device_linear import DECODE_MAX_ROWS, DeviceBlockEmbedding, DeviceBlockLinear
 from tests.engine.test_forward_tiny import (
     FILE_MIXES,
@@ -117,20 +120,23 @@ def test_step_batch_moves_its_tensors_and_keeps_the_host_arrays():
 
 def test_cache_pages_live_on_the_models_device_in_fp16(files):
     """A cache on another device (``meta`` stands in for a GPU: tensors without storage)
-    allocates every page there, unquantized pages in fp16 (half the bytes of the CPU's
-    float32, and a fingerprint of its own)."""
+    allocates every page there, unquantized pages in fp16 (half the bytes of fp32 pages,
+    whose fingerprint differs; the CPU's default fp16 pages share it: the same bytes)."""
     _, path = files
     loaded = load_model(path, load_tokenizer=False)
     settings = CacheSettings(page_size=16, token_budget=64)
-    cpu = KVCache.for_model(loaded, settings)
+    fp32 = KVCache.for_model(loaded, dataclasses.replace(settings, k_bits=32, v_bits=32))
     meta = KVCache(3, 2, 64, loaded.fingerprint, settings, device="meta")
     assert all(
         t.device.type == "meta" and t.dtype == torch.float16 for t in meta.storage.page_tensors()
     )
-    assert all(t.dtype == torch.float32 for t in cpu.storage.page_tensors())
-    assert meta.nbytes() * 2 == cpu.nbytes()
-    assert meta.fingerprint != cpu.fingerprint
+    assert all(t.dtype == torch.float32 for t in fp32.storage.page_tensors())
+    assert meta.nbytes() * 2 == fp32.nbytes()
+    assert meta.fingerprint != fp32.fingerprint
     assert not meta.numba_decode
+    if CPU_HALF_PAGES:
+        cpu = KVCache.for_model(loaded, settings)
+        assert cpu.nbytes() == meta.nbytes() and cpu.fingerprint == meta.fingerprint
 
 
 def test_a_type_without_a_gpu_kernel_is_refused_at_load(interpreter, tmp_path):

@@ -20,10 +20,16 @@ def _reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits[0].float()
 
 
-def _folio_logits(loaded, ids: torch.Tensor, chunks: tuple[int, ...] = (), page_size: int = 16) -> torch.Tensor:
+def _folio_logits(
+    loaded, ids: torch.Tensor, chunks: tuple[int, ...] = (), page_size: int = 16
+) -> torch.Tensor:
     """Logits for every position through the paged cache (16-token pages, so prompts
-    cross page boundaries), fed in the given chunk sizes (the rest in one go)."""
-    cache = KVCache.for_model(loaded, CacheSettings(page_size=page_size, token_budget=4 * ids.shape[1]))
+    cross page boundaries; fp32 pages, transformers' arithmetic), fed in the given chunk
+    sizes (the rest in one go)."""
+    settings = CacheSettings(
+        page_size=page_size, token_budget=4 * ids.shape[1], k_bits=32, v_bits=32
+    )
+    cache = KVCache.for_model(loaded, settings)
     runner = SequenceRunner(loaded, cache, ids[0].tolist())
     out = []
     for size in (*chunks, ids.shape[1]):
@@ -46,7 +52,9 @@ def test_safetensors_logits_match_transformers(family, tmp_path):
     save_hf_folder(model, tmp_path / family)
     loaded = load_model(tmp_path / family, load_tokenizer=False)
     assert loaded.config.arch == family
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1)
+    )
     ref = _reference_logits(model, ids)
     _assert_close(_folio_logits(loaded, ids), ref, 1e-4)
     # Same logits when the prompt arrives in chunks and then token by token (KV cache path).
@@ -59,28 +67,77 @@ def test_tied_and_untied_heads(family, tmp_path):
     model = make_hf_model(family, seed=3, tie_word_embeddings=not tie)
     save_hf_folder(model, tmp_path / "m")
     loaded = load_model(tmp_path / "m", load_tokenizer=False)
-    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2)
+    )
     _assert_close(_folio_logits(loaded, ids), _reference_logits(model, ids), 1e-4)
 
 
 # One GGUF per quant family (legacy blocks, K-quants, floats), across architectures;
 # llama exercises llama.cpp's q/k row permutation.
 GGUF_CASES = [
-    ("llama", {"q": Q.Q4_0, "k": Q.Q4_1, "v": Q.Q5_0, "o": Q.Q5_1, "gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.Q4_1, "embd": Q.Q8_0, "output": Q.Q6_K}),
-    ("llama", {"q": Q.Q2_K, "k": Q.Q3_K, "v": Q.Q4_K, "o": Q.Q5_K, "gate": Q.Q6_K, "up": Q.Q4_K, "down": Q.Q6_K, "embd": Q.Q4_K, "output": Q.Q5_K}),
-    ("qwen2", {"q": Q.F16, "k": Q.BF16, "v": Q.F32, "o": Q.Q8_0, "gate": Q.Q4_K, "up": Q.Q5_0, "down": Q.Q6_K, "embd": Q.F16}),
+    (
+        "llama",
+        {
+            "q": Q.Q4_0,
+            "k": Q.Q4_1,
+            "v": Q.Q5_0,
+            "o": Q.Q5_1,
+            "gate": Q.Q8_0,
+            "up": Q.Q4_0,
+            "down": Q.Q4_1,
+            "embd": Q.Q8_0,
+            "output": Q.Q6_K,
+        },
+    ),
+    (
+        "llama",
+        {
+            "q": Q.Q2_K,
+            "k": Q.Q3_K,
+            "v": Q.Q4_K,
+            "o": Q.Q5_K,
+            "gate": Q.Q6_K,
+            "up": Q.Q4_K,
+            "down": Q.Q6_K,
+            "embd": Q.Q4_K,
+            "output": Q.Q5_K,
+        },
+    ),
+    (
+        "qwen2",
+        {
+            "q": Q.F16,
+            "k": Q.BF16,
+            "v": Q.F32,
+            "o": Q.Q8_0,
+            "gate": Q.Q4_K,
+            "up": Q.Q5_0,
+            "down": Q.Q6_K,
+            "embd": Q.F16,
+        },
+    ),
     ("qwen3", {"q": Q.Q4_1, "k": Q.Q8_0, "v": Q.Q4_K, "o": Q.Q4_0, "embd": Q.Q8_0}),
-    ("gemma3", {"q": Q.Q5_0, "k": Q.Q5_0, "v": Q.Q8_0, "o": Q.Q4_K, "down": Q.Q6_K, "embd": Q.Q8_0}),
+    (
+        "gemma3",
+        {"q": Q.Q5_0, "k": Q.Q5_0, "v": Q.Q8_0, "o": Q.Q4_K, "down": Q.Q6_K, "embd": Q.Q8_0},
+    ),
 ]
 
 
-@pytest.mark.parametrize("family,qtypes", GGUF_CASES, ids=lambda v: v if isinstance(v, str) else "-".join(sorted({t.name for t in v.values()})))
+@pytest.mark.parametrize(
+    "family,qtypes",
+    GGUF_CASES,
+    ids=lambda v: v if isinstance(v, str) else "-".join(sorted({t.name for t in v.values()})),
+)
 def test_gguf_dequant_logits_match_transformers(family, qtypes, tmp_path):
     model = make_hf_model(family, seed=5)
     ref_state = write_gguf(model, tmp_path / "m.gguf", qtypes)
     model.load_state_dict(ref_state)
     loaded = load_model(tmp_path / "m.gguf", weight_mode="dequant", load_tokenizer=False)
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(4)
+    )
     _assert_close(_folio_logits(loaded, ids, chunks=(6, 1)), _reference_logits(model, ids), 1e-4)
 
 
@@ -90,7 +147,9 @@ def test_gguf_int4_mode_close_to_dequant(tmp_path):
     exact = load_model(tmp_path / "m.gguf", weight_mode="dequant", load_tokenizer=False)
     packed = load_model(tmp_path / "m.gguf", weight_mode="int4", load_tokenizer=False)
     assert packed.weight_bytes < exact.weight_bytes
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7)
+    )
     _assert_close(_folio_logits(packed, ids), _folio_logits(exact, ids), 2e-2)
 
 
@@ -102,8 +161,12 @@ def test_sharded_half_precision_folder(dtype, tmp_path):
     shards = list((tmp_path / "m").glob("*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "m" / "model.safetensors.index.json").exists()
     loaded = load_model(tmp_path / "m", load_tokenizer=False)
-    assert loaded.quant_types == {"F16" if dtype == torch.float16 else "BF16": len(model.state_dict())}
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
+    assert loaded.quant_types == {
+        "F16" if dtype == torch.float16 else "BF16": len(model.state_dict())
+    }
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(9)
+    )
     ref = _reference_logits(model.float(), ids)  # the same half-precision weights, computed in fp32
     _assert_close(_folio_logits(loaded, ids), ref, 1e-4)
 
@@ -111,8 +174,28 @@ def test_sharded_half_precision_folder(dtype, tmp_path):
 # The mixes llama.cpp's quantizer writes (Q4_K_M / Q5_K_M: Q6_K for attn_v, ffn_down and
 # the output head), and whole-file Q6_K and Q8_0.
 FILE_MIXES = {
-    "Q4_K_M": {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K, "o": Q.Q4_K, "gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K, "embd": Q.Q4_K, "output": Q.Q6_K},
-    "Q5_K_M": {"q": Q.Q5_K, "k": Q.Q5_K, "v": Q.Q6_K, "o": Q.Q5_K, "gate": Q.Q5_K, "up": Q.Q5_K, "down": Q.Q6_K, "embd": Q.Q5_K, "output": Q.Q6_K},
+    "Q4_K_M": {
+        "q": Q.Q4_K,
+        "k": Q.Q4_K,
+        "v": Q.Q6_K,
+        "o": Q.Q4_K,
+        "gate": Q.Q4_K,
+        "up": Q.Q4_K,
+        "down": Q.Q6_K,
+        "embd": Q.Q4_K,
+        "output": Q.Q6_K,
+    },
+    "Q5_K_M": {
+        "q": Q.Q5_K,
+        "k": Q.Q5_K,
+        "v": Q.Q6_K,
+        "o": Q.Q5_K,
+        "gate": Q.Q5_K,
+        "up": Q.Q5_K,
+        "down": Q.Q6_K,
+        "embd": Q.Q5_K,
+        "output": Q.Q6_K,
+    },
     "Q6_K": {},
     "Q8_0": {},
 }
@@ -131,13 +214,17 @@ def test_native_mode_reads_the_files_blocks(family, mix, tmp_path):
 
     model = make_hf_model(family, seed=11, tie_word_embeddings=False)
     default = Q[mix] if mix in ("Q6_K", "Q8_0") else Q.Q4_K
-    model.load_state_dict(write_gguf(model, tmp_path / "m.gguf", FILE_MIXES[mix], default=default, seed=3))
+    model.load_state_dict(
+        write_gguf(model, tmp_path / "m.gguf", FILE_MIXES[mix], default=default, seed=3)
+    )
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
     assert loaded.weight_mode == "native"
     tensor_bytes = sum(t.nbytes for t in GGUFFile(tmp_path / "m.gguf").tensors.values())
     assert loaded.weight_bytes <= 1.05 * tensor_bytes
     n = DECODE_MAX_ROWS + 8
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(4)
+    )
     ref = _reference_logits(model, ids)
     ours = _folio_logits(loaded, ids, chunks=(n - 4, 1, 1))
     _assert_close(ours, ref, 5e-2)
@@ -150,7 +237,9 @@ def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
     tiles k-quants are repacked into where the CPU takes them (kernels/quant/tiles.py,
     their file pages released): the process's anonymous memory grows by those and a
     small fraction of the file."""
-    model = make_hf_model("llama", seed=12, tie_word_embeddings=False, intermediate_size=4096, vocab_size=16384)
+    model = make_hf_model(
+        "llama", seed=12, tie_word_embeddings=False, intermediate_size=4096, vocab_size=16384
+    )
     write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K)
     load_model(tmp_path / "m.gguf", load_tokenizer=False)  # first load: kernels, caches
     size = (tmp_path / "m.gguf").stat().st_size
@@ -164,10 +253,21 @@ def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
     before = anon()
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
     grown = anon() - before
-    lins = [lin for layer in loaded.model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    tiles = sum(g.tiles.nbytes for lin in [*lins, loaded.model.lm_head] for g in lin._groups if g.tiles is not None)
+    lins = [
+        lin
+        for layer in loaded.model.layers
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    tiles = sum(
+        g.tiles.nbytes
+        for lin in [*lins, loaded.model.lm_head]
+        for g in lin._groups
+        if g.tiles is not None
+    )
     assert (tiles > 0.5 * size) == tiles_supported("Q4_K")
-    assert grown < tiles + 0.05 * size + (2 << 20), f"anonymous memory grew by {grown:,} bytes for a {size:,}-byte file ({tiles:,} in tiles)"
+    assert grown < tiles + 0.05 * size + (2 << 20), (
+        f"anonymous memory grew by {grown:,} bytes for a {size:,}-byte file ({tiles:,} in tiles)"
+    )
     assert loaded.weight_bytes > 0.9 * size
 
 
@@ -187,7 +287,9 @@ def test_host_decode_layers_equal_the_torch_layers(family, mix, tmp_path, monkey
     host_arrays = Transformer._on_host_arrays
     host_layers = []
     monkeypatch.setattr(Transformer, "_host_layer", _counted(Transformer._host_layer, host_layers))
-    prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(6))
+    prompt = torch.randint(
+        0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(6)
+    )
 
     def decode(host: bool):
         monkeypatch.setattr(Transformer, "_on_host_arrays", lambda *a: host and host_arrays(*a))
@@ -233,10 +335,16 @@ def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, mon
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
     mlp_rows = DECODE_MAX_ROWS + 8
     n = 3 * mlp_rows + DECODE_MAX_ROWS  # the last 32 rows join the chunk before them
-    prompt = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(8))
+    prompt = torch.randint(
+        0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(8)
+    )
     calls = []
     call = BlockLinear.__call__
-    monkeypatch.setattr(BlockLinear, "__call__", lambda self, x, bf16=False: calls.append(x.shape[0]) or call(self, x, bf16))
+    monkeypatch.setattr(
+        BlockLinear,
+        "__call__",
+        lambda self, x, bf16=False: calls.append(x.shape[0]) or call(self, x, bf16),
+    )
 
     def prefill(rows: int):
         monkeypatch.setattr(transformer_module, "MLP_ROWS", rows)

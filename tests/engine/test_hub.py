@@ -181,12 +181,16 @@ def test_quant_from_filename(name, quant):
 def test_kv_bytes_per_token_matches_the_page_pool():
     import torch
 
-    from engine.cache.formats import kv_formats
+    from engine.cache.formats import default_dense, kv_formats
     from engine.model.config import ModelConfig
     from kernels.kvquant import KVFormat
 
-    # SmolLM2: 30 layers, 3 KV heads of 64.
-    assert kv_bytes_per_token(30, 3, 64) == 30 * 3 * 64 * 2 * 4
+    # SmolLM2: 30 layers, 3 KV heads of 64; fp16 by default (fp32 on a CPU without F16C)
+    assert kv_bytes_per_token(30, 3, 64, dense_bytes=4) == 30 * 3 * 64 * 2 * 4
+    assert kv_bytes_per_token(30, 3, 64, 32, 32) == 30 * 3 * 64 * 2 * 4
+    assert kv_bytes_per_token(30, 3, 64, 16, 16) == 30 * 3 * 64 * 2 * 2
+    value = default_dense().itemsize
+    assert kv_bytes_per_token(30, 3, 64) == 30 * 3 * 64 * 2 * value
     cfg = ModelConfig("llama", 10, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4)
     assert kv_bytes_per_token(30, 3, 64) == cfg.kv_bytes_per_token()
     fp16 = KVFormat(dtype=torch.float16).bytes_per_token(3, 64)
@@ -205,16 +209,17 @@ def test_kv_bytes_per_token_matches_the_page_pool():
 def test_fit_labels_and_page_rounding():
     plan = CachePlan(context_tokens=1000, page_size=256)
     assert plan.cached_tokens == 1024
-    kv = kv_bytes_per_token(30, 3, 64)
+    kv = kv_bytes_per_token(30, 3, 64, 16, 16)
     gb = 10**9
     fit = estimate_fit(gb, kv, plan, free_bytes=4 * gb)
     assert fit.kv_bytes == kv * 1024 and fit.label == Fit.FITS
     assert estimate_fit(gb, kv, plan, free_bytes=fit.need_bytes + 1).label == Fit.TIGHT
     assert estimate_fit(gb, kv, plan, free_bytes=fit.need_bytes - 1).label == Fit.WONT_FIT
-    # A 4-bit cache for a long context turns "won't fit" into "fits".
+    # A 4-bit cache for a long context turns fp32's "won't fit" into "fits".
     long = CachePlan(context_tokens=131072)
     free = 5 * gb
-    assert estimate_fit(gb, kv, long, free_bytes=free).label == Fit.WONT_FIT
+    fp32 = kv_bytes_per_token(30, 3, 64, 32, 32)
+    assert estimate_fit(gb, fp32, long, free_bytes=free).label == Fit.WONT_FIT
     assert (
         estimate_fit(gb, kv_bytes_per_token(30, 3, 64, 4, 4), long, free_bytes=free).label
         == Fit.FITS

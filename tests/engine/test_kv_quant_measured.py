@@ -11,7 +11,7 @@ from engine.bench.kv_quant_measured import MODEL_SHAPE, measured_formats
 from engine.cache import formats
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "KV_QUANT.md"
-ROW = re.compile(r"^\| (fp32|K(\d)/V(\d)) \| ([\d,]+) \| ([\d.]+) \|([^|]*)\|")
+ROW = re.compile(r"^\| (fp32|fp16|K(\d)/V(\d)) \| ([\d,]+) \| ([\d.]+) \|([^|]*)\|")
 
 
 def doc_table() -> dict[tuple[int, int], tuple[int, float, str]]:
@@ -21,7 +21,8 @@ def doc_table() -> dict[tuple[int, int], tuple[int, float, str]]:
     for line in section.splitlines():
         m = ROW.match(line)
         if m:
-            key = (32, 32) if m[1] == "fp32" else (int(m[2]), int(m[3]))
+            dense = {"fp32": (32, 32), "fp16": (16, 16)}
+            key = dense[m[1]] if m[1] in dense else (int(m[2]), int(m[3]))
             rows[key] = (int(m[4].replace(",", "")), float(m[5]), m[6].strip().strip("*"))
     return rows
 
@@ -30,7 +31,7 @@ def test_records_are_the_documented_run():
     records = measured_formats()
     table = doc_table()
     assert set(records) == set(table)
-    assert set(records) == {(k or 32, v or 32) for k, v in KV_QUANT_FORMATS}
+    assert set(records) == set(KV_QUANT_FORMATS)
     for key, record in records.items():
         per_token, ppl, change = table[key]
         assert record.kv_bytes_per_token == per_token
@@ -46,5 +47,5 @@ def test_records_are_the_documented_run():
 
 def test_recorded_bytes_are_what_the_formats_charge():
     for (k, v), record in measured_formats().items():
-        kv = formats.kv_formats(None if k == 32 else k, None if v == 32 else v)
+        kv = formats.kv_formats(k, v)
         assert record.kv_bytes_per_token == formats.kv_bytes_per_token(*MODEL_SHAPE, kv)

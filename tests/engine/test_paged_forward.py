@@ -13,7 +13,7 @@ from engine.model.calibration import calibrate_keys, calibration_for, calibratio
 from engine.model.loader import load_model
 from engine.model.runner import SequenceRunner
 from engine.model.transformer import apply_rope
-from kernels.paged_attention import paged_attention_reference
+from kernels.paged_attention import CPU_HALF_PAGES, paged_attention_reference
 from tests.engine.generator.helpers import GREEDY, complete, make_generator
 from tests.engine.tiny_models import make_hf_model, save_hf_folder
 
@@ -41,10 +41,14 @@ def _ids(n: int, seed: int = 0, vocab: int = 384) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# fp32 pages: the cache-hit tests compare runs that differ in their chunks, which fp16's
+# rounding of K/V would amplify past float32's (SmolLM2, 200 of 300 tokens a hit: 1.5e-4)
+EXACT = {"k_bits": 32, "v_bits": 32}
+
+
 def _fresh_logits(loaded, ids: list[int], page_size: int = 16) -> torch.Tensor:
-    cache = KVCache.for_model(
-        loaded, CacheSettings(page_size=page_size, token_budget=2 * len(ids) + page_size)
-    )
+    settings = CacheSettings(page_size=page_size, token_budget=2 * len(ids) + page_size, **EXACT)
+    cache = KVCache.for_model(loaded, settings)
     return SequenceRunner(loaded, cache, ids).step(all_logits=True)
 
 
@@ -54,7 +58,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_cache_hit_skips_prefix_and_keeps_logits(tiny):
     prefix = _ids(70, seed=1)  # 4 full 16-token pages and a partial one
-    cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=512))
+    cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=512, **EXACT))
     first = SequenceRunner(tiny, cache, prefix + _ids(9, seed=2), job_id=1)
     first.step()
     first.release()
@@ -73,7 +77,7 @@ def test_cache_hit_skips_prefix_and_keeps_logits(tiny):
 def test_partial_page_rows_are_reused(tiny):
     """A prompt that shares 20 tokens with a cached one: the first page is a hit and the
     first 4 rows of the second are copied from the cached sibling (docs/ENGINE.md §2)."""
-    cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=256))
+    cache = KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=256, **EXACT))
     base = _ids(40, seed=4)
     run = SequenceRunner(tiny, cache, base, job_id=1)
     run.step()
@@ -90,12 +94,48 @@ def test_quantized_cache_close_to_fp32(tiny, bits, tolerance):
     ids = _ids(50, seed=6)
     settings = CacheSettings(page_size=16, token_budget=128, k_bits=bits, v_bits=bits)
     cache = KVCache.for_model(tiny, settings, calibration_for(tiny, settings))
-    assert (
-        cache.nbytes()
-        < KVCache.for_model(tiny, CacheSettings(page_size=16, token_budget=128)).nbytes() / 2
-    )
+    fp32 = CacheSettings(page_size=16, token_budget=128, **EXACT)
+    assert cache.nbytes() < KVCache.for_model(tiny, fp32).nbytes() / 2
     logits = SequenceRunner(tiny, cache, ids).step(all_logits=True)
     assert _rel(logits, _fresh_logits(tiny, ids)) < tolerance
+
+
+def _greedy_logits(loaded, cache: KVCache, ids: list[int], steps: int) -> torch.Tensor:
+    """The prompt's last logits, then those of ``steps`` greedy decode steps."""
+    runner = SequenceRunner(loaded, cache, ids, max_new_tokens=steps)
+    out = [runner.step()]
+    for _ in range(steps):
+        runner.append(int(out[-1].argmax()))
+        out.append(runner.step())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_fp16_pages_by_default_close_to_fp32(tiny, tiny_gemma, family):
+    """A cache asked for no width stores fp16 pages (where the CPU's kernels read them):
+    half fp32's bytes, its own fingerprint (a disk store of one is never read as the
+    other), logits through prefill and decode within fp16's rounding of fp32 pages'."""
+    loaded = tiny if family == "qwen3" else tiny_gemma
+    small = dict(page_size=16, token_budget=256)
+    default = KVCache.for_model(loaded, CacheSettings(**small))
+    fp32 = KVCache.for_model(loaded, CacheSettings(**small, k_bits=32, v_bits=32))
+    half = KVCache.for_model(loaded, CacheSettings(**small, k_bits=16, v_bits=16))
+    assert default.fmt_k.dtype == (torch.float16 if CPU_HALF_PAGES else torch.float32)
+    assert half.fmt_k.dtype == half.fmt_v.dtype == torch.float16
+    assert fp32.nbytes() == 2 * half.nbytes()
+    assert half.fingerprint != fp32.fingerprint
+    assert half.fingerprint.k_bits == 16 and fp32.fingerprint.v_bits == 32
+    ids = _ids(70, seed=8)
+    want = _greedy_logits(loaded, fp32, ids, 12)
+    got = _greedy_logits(loaded, half, ids, 12)
+    assert _rel(got, want) < 2e-3  # measured 2.5e-4 (qwen3), 4.7e-4 (gemma3)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_cache_settings_refuse_other_widths():
+    for bits in (1, 9, 12, 64):
+        with pytest.raises(ValueError, match="2..8 \\(quantized\\), 16 or 32"):
+            CacheSettings(k_bits=bits)
 
 
 # ---- quantized K: keys stored relative to the calibrated mean ----------------------------
@@ -120,7 +160,8 @@ def test_key_calibration_is_the_pre_rope_key_mean(tiny, tiny_gemma, monkeypatch,
         write(self, layer, k, v, batch)
 
     monkeypatch.setattr(KVCache, "write", recording_write)
-    cache = KVCache.for_model(loaded, CacheSettings(page_size=64, token_budget=len(ids)))
+    # fp32 pages, as calibration runs: later layers' keys depend on the pages' rounding
+    cache = KVCache.for_model(loaded, CacheSettings(page_size=64, token_budget=len(ids), **EXACT))
     SequenceRunner(loaded, cache, ids).step()
     monkeypatch.undo()
     calibration = calibrate_keys(loaded)
@@ -221,7 +262,9 @@ def test_smollm2_cache_hit_logits_equal_a_fresh_run(smollm2_dequant):
 
     text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()
     ids = smollm2_dequant.tokenizer.encode(text)[:300]
-    cache = KVCache.for_model(smollm2_dequant, CacheSettings(page_size=64, token_budget=1024))
+    cache = KVCache.for_model(
+        smollm2_dequant, CacheSettings(page_size=64, token_budget=1024, **EXACT)
+    )
     first = SequenceRunner(smollm2_dequant, cache, ids[:200], job_id=1)
     first.step()
     first.release()

@@ -114,17 +114,23 @@ def test_budget_hint_without_a_model_says_so(qtbot):
 def test_kv_hint_quotes_the_recorded_bench(dialog):
     records = measured_formats()
     d = dialog(EngineSettings())
-    assert "Full precision" in d.kv_hint.text()
+    assert d.kv_hint.text().startswith(f"{formats.width_name(None)}: ")  # the default's own line
     for (k, v), record in records.items():
         if k == 32:
             continue
-        d.k_bits.setCurrentIndex(d.k_bits.findData(k))
-        d.v_bits.setCurrentIndex(d.v_bits.findData(v if v != 32 else None))
+        # the combos offer fp16 as their default (None), not as 16
+        d.k_bits.setCurrentIndex(d.k_bits.findData(None if k == 16 else k))
+        d.v_bits.setCurrentIndex(d.v_bits.findData(None if v == 16 else v))
         line = d.kv_hint.text()
         percent = record.vs_fp32 * 100
         shown = f"{percent:+.2f}%" if abs(percent) < 10 else f"{percent:+.0f}%"
-        assert line.startswith(f"K{k}/V{v}: perplexity {shown}"), line
+        name = "fp16" if k == v == 16 else f"K{k}/V{v}"
+        assert line.startswith(f"{name}: perplexity {shown} against fp32"), line
         assert "folio bench kv-quant" in d.kv_hint.toolTip()
+    d.k_bits.setCurrentIndex(d.k_bits.findData(32))
+    d.v_bits.setCurrentIndex(d.v_bits.findData(32))
+    assert d.kv_hint.text().startswith("fp32: the model's own arithmetic")
+    assert d.k_bits.currentText() == "32-bit float (exact)"
 
 
 def test_kv_hint_for_an_unmeasured_format_lists_the_measured_ones():
@@ -132,7 +138,7 @@ def test_kv_hint_for_an_unmeasured_format_lists_the_measured_ones():
     assert hint.line.startswith("K5/V8 was not measured")
     for k, v in measured_formats():
         if k != 32:
-            assert f"K{k}/V{v}" in hint.line
+            assert ("fp16" if k == 16 else f"K{k}/V{v}") in hint.line
 
 
 def test_every_field_explains_itself(dialog):

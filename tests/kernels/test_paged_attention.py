@@ -31,6 +31,7 @@ from kernels.paged_attention import (
 )
 
 FP32 = KVFormat(None)
+FP16 = KVFormat(None, torch.float16)
 EXACT = 1e-5
 
 
@@ -353,6 +354,9 @@ def test_decode_path_matches_reference(page_size, fmts, window, key_mean):
         (asym(4), asym(4)),
         (asym(7), asym(2)),
         (FP32, asym(5)),
+        (FP16, FP16),
+        (FP16, FP32),
+        (asym(4), FP16),
     ],
     ids=str,
 )
@@ -376,6 +380,7 @@ def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shape
     [
         *[((FP32, FP32), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 80), ((12, 3), 40))],
         *[((asym(4), asym(8)), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 96))],
+        *[((FP16, FP16), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((12, 3), 40))],
     ],
     ids=str,
 )  # fmt: skip
@@ -413,10 +418,10 @@ def test_numba_decode_exp_is_within_a_few_ulps():
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
-def test_numba_decode_rejects_fp16_pages_and_prefill():
-    half = KVFormat(None, torch.float16)
-    case = make_case(DECODE, 16, fmt_k=half, fmt_v=half)
-    with pytest.raises(ValueError, match="fp32 or quantized"):
+def test_numba_decode_rejects_bf16_pages_and_prefill():
+    bf16 = KVFormat(None, torch.bfloat16)
+    case = make_case(DECODE, 16, fmt_k=bf16, fmt_v=bf16)
+    with pytest.raises(ValueError, match="fp32, fp16 or quantized"):
         case.paged(paged_decode_numba)
     with pytest.raises(ValueError, match="q_lens == 1"):
         make_case(MIXED, 16).paged(paged_decode_numba)

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine.cache.kv_cache import CacheSettings
 from engine.generator.job import EventKind, JobEvent, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
 from engine.model.loader import load_model
@@ -81,7 +82,9 @@ def test_logprobs_are_the_models_own(tiny):
             logprobs=k,
         ),
     ]
-    gen = make_generator(loaded, max_chunk_size=16, max_rq_tokens=4)  # single samples requeue
+    # fp32 pages: transformers' arithmetic; single samples requeue
+    exact = CacheSettings(page_size=16, token_budget=1024, k_bits=32, v_bits=32)
+    gen = make_generator(loaded, cache=exact, max_chunk_size=16, max_rq_tokens=4)
     results, _ = _run(gen, requests)
     assert results[0].requeues > 0
     in_top = 0
