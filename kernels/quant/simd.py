@@ -152,6 +152,13 @@ def _convert_rows(builder, src, dst, n, src_t: ir.Type, dst_t: ir.Type, convert)
         builder.store(convert(s, dst_t), out, align=db)
 
 
+def _no_f16c(builder) -> None:
+    """In place of a half conversion on a CPU without F16C, where LLVM would call a runtime
+    function numba's JIT does not link (a call to address 0): a trap. Never reached: such
+    a CPU's caches keep fp32 pages (`kernels.paged_attention.CPU_HALF_PAGES`)."""
+    builder.call(_fn(builder, "llvm.trap", ir.VoidType(), []), [])
+
+
 def _half_conversion(widen: bool):
     """The codegen of :func:`halves_to_floats` (``widen``) and :func:`floats_to_halves`."""
     src_t, dst_t = (I16, F32) if widen else (F32, I16)
@@ -163,7 +170,10 @@ def _half_conversion(widen: bool):
                 return builder.fpext(builder.bitcast(v, half), t)
             return builder.bitcast(builder.fptrunc(v, half), t)
 
-        _convert_rows(builder, *args, src_t, dst_t, convert)
+        if HAS_F16C:
+            _convert_rows(builder, *args, src_t, dst_t, convert)
+        else:
+            _no_f16c(builder)
         return context.get_dummy_value()
 
     return codegen
@@ -543,7 +553,10 @@ def weighted_rows(typingctx, acc, acc_step, w, w_step, v, v_step, n, width, rows
 
         with builder.if_else(half) as (then, otherwise):
             with then:
-                emit(True)
+                if HAS_F16C:
+                    emit(True)
+                else:
+                    _no_f16c(builder)
             with otherwise:
                 emit(False)
         return context.get_dummy_value()
