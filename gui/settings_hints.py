@@ -165,17 +165,12 @@ def budget_hint(
     return Hint(line, detail)
 
 
-def _resolved(bits: int | None) -> int:
-    """A K or V width with None (the unquantized default) as its 16 or 32."""
-    from engine.cache.formats import width_name
-
-    return int(width_name(bits).removeprefix("fp").removesuffix("-bit"))
-
-
 def kv_format_name(k_bits: int | None, v_bits: int | None) -> str:
-    """ "fp16" / "fp32" for unquantized K and V alike, else "K8/V4" (16 or 32 for either
-    when unquantized)."""
-    k, v = _resolved(k_bits), _resolved(v_bits)
+    """The name of a K/V format: fp16 or fp32 for unquantized K and V alike, else like
+    K8/V4 (16 or 32 for an unquantized one)."""
+    from engine.cache.formats import resolved_bits
+
+    k, v = resolved_bits(k_bits), resolved_bits(v_bits)
     if k == v and k in (16, 32):
         return f"fp{k}"
     return f"K{k}/V{v}"
@@ -196,8 +191,10 @@ def kv_quality_hint(k_bits: int | None, v_bits: int | None) -> Hint:
         f"Perplexity against fp32 ({MEASURED_ON}): {listing}. Lower perplexity "
         "means the model predicts text better; other models may differ."
     )
+    from engine.cache.formats import resolved_bits
+
     name = kv_format_name(k_bits, v_bits)
-    key = (_resolved(k_bits), _resolved(v_bits))
+    key = (resolved_bits(k_bits), resolved_bits(v_bits))
     if key == (32, 32):
         return Hint("fp32: the model's own arithmetic, twice fp16's memory.", detail)
     record = measured.get(key)

@@ -46,11 +46,15 @@ def kv_formats(
     return fmt(k_bits), fmt(v_bits)
 
 
+def resolved_bits(bits: int | None) -> int:
+    """A K or V width with None (the unquantized default, `default_dense`) as its 16 or 32."""
+    return torch.finfo(default_dense()).bits if bits is None else bits
+
+
 def width_name(bits: int | None) -> str:
     """A K or V width as settings and fit labels name it: "fp16" / "fp32" for unquantized
-    pages (None: the default, `default_dense`), "4-bit" for quantized ones."""
-    if bits is None:
-        bits = torch.finfo(default_dense()).bits
+    pages (None: the default), "4-bit" for quantized ones."""
+    bits = resolved_bits(bits)
     return f"fp{bits}" if bits in DENSE_BITS else f"{bits}-bit"
 
 
