@@ -373,8 +373,8 @@ def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shape
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 # query heads per KV head: 4 (Llama-3.2-1B, Gemma 3) four at a time, 7 (Qwen2-7B) four
-# then three one by one, 1 one by one; unquantized pages also at head widths with a tail past their last 16 lanes (quantized pages need
-# multiples of 32)
+# then three one by one, 1 one by one; unquantized pages also at head widths with a tail
+# past their last 16 lanes (quantized pages need multiples of 32)
 @pytest.mark.parametrize(
     "fmts, heads, head_dim",
     [
