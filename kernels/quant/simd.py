@@ -51,6 +51,7 @@ __all__ = [
     "f16_to_f32",
     "float_dot",
     "float_dots4",
+    "float_max",
     "floats_to_halves",
     "halves_to_floats",
     "prefetch",
@@ -59,6 +60,7 @@ __all__ = [
     "host_isa",
     "scaled_dot",
     "u8_pointer",
+    "weighted_rows",
 ]
 
 ISAS = ("generic", "avx2", "avxvnni", "avx512vnni")
@@ -427,6 +429,137 @@ def float_dot(typingctx, a, b, n):
             sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
             builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
         return builder.fadd(_tree_sum(builder, builder.load(acc)), builder.load(tail))
+
+    return sig, codegen
+
+
+@intrinsic
+def float_max(typingctx, a, n, start):
+    """The largest of ``start`` and the ``n`` float32 at address ``a`` (``llvm.maxnum``,
+    16 lanes then one by one: a NaN is passed over; the result is exact, so the order
+    does not matter). numba's ``max`` in a loop stays scalar: each step waits for the
+    last one's compare."""
+    sig = types.float32(types.uintp, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        a_a, n_v, start = args
+        v16 = _vec(F32, 16)
+        vmax = _fn(builder, "llvm.maxnum.v16f32", v16, [v16, v16])
+        smax = _fn(builder, "llvm.maxnum.f32", F32, [F32, F32])
+        first = builder.insert_element(ir.Constant(v16, None), start, I32(0))
+        acc = cgutils.alloca_once_value(
+            builder, builder.shuffle_vector(first, first, ir.Constant(_vec(I32, 16), [0] * 16))
+        )
+        chunks = builder.udiv(n_v, I64(16))
+        with cgutils.for_range(builder, chunks) as loop:
+            at = builder.add(a_a, builder.mul(loop.index, I64(64)))
+            va = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
+            builder.store(builder.call(vmax, [builder.load(acc), va]), acc)
+        best = cgutils.alloca_once_value(
+            builder,
+            builder.call(
+                _fn(builder, "llvm.vector.reduce.fmax.v16f32", F32, [v16]), [builder.load(acc)]
+            ),
+        )
+        with cgutils.for_range(builder, n_v, start=builder.mul(chunks, I64(16))) as loop:
+            at = builder.add(a_a, builder.mul(loop.index, I64(4)))
+            sa = builder.load(builder.inttoptr(at, ir.PointerType(F32)), align=4)
+            builder.store(builder.call(smax, [builder.load(best), sa]), best)
+        return builder.load(best)
+
+    return sig, codegen
+
+
+@intrinsic
+def weighted_rows(typingctx, acc, acc_step, w, w_step, v, v_step, n, width, rows, half):
+    """For ``r < rows``, ``d < width``: ``acc[r][d] += sum_s w[r][s] * v[s][d]`` over ``s <
+    n`` in order, one ``fma`` each: attention's values weighted by the softmax
+    probabilities of ``rows`` query heads. ``acc`` rows (float32) at ``acc + r *
+    acc_step``; weights (float32) at ``w + r * w_step + 4 s``; value rows at ``v + s *
+    v_step``, fp16 when ``half`` (widened by ``vcvtph2ps``) else float32. The ``rows``
+    accumulators stay in registers, 16 lanes at a time, for all ``n`` values: one load
+    of each value chunk for all rows, where a loop over slots outside loads and stores
+    every accumulator per value. ``rows`` (1..4) is a compile-time constant."""
+    n_rows = _literal(rows, (1, 2, 3, 4))
+    if n_rows is None:
+        return None
+    u, i = types.uintp, types.intp
+    sig = types.void(u, i, u, i, u, i, i, i, rows, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_step, w_a, w_step, v_a, v_step, n_v, width = args[:8]
+        half = args[9]
+        v16 = _vec(F32, 16)
+        acc_rows = [builder.add(acc_a, builder.mul(acc_step, I64(r))) for r in range(n_rows)]
+        w_rows = [builder.add(w_a, builder.mul(w_step, I64(r))) for r in range(n_rows)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(n_rows)]
+        tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(n_rows)]
+        fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
+        splat = ir.Constant(_vec(I32, 16), [0] * 16)
+
+        def value(at, count: int, is_half: bool):
+            """``count`` values (16 or 1) at byte address ``at`` as float32."""
+            if is_half:
+                t = _vec(I16, count) if count > 1 else I16
+                raw = builder.load(builder.inttoptr(at, ir.PointerType(t)), align=2)
+                h = _vec(ir.HalfType(), count) if count > 1 else ir.HalfType()
+                return builder.fpext(builder.bitcast(raw, h), v16 if count > 1 else F32)
+            t = v16 if count > 1 else F32
+            return builder.load(builder.inttoptr(at, ir.PointerType(t)), align=4)
+
+        def weight(r, s):
+            at = builder.add(w_rows[r], builder.mul(s, I64(4)))
+            return builder.load(builder.inttoptr(at, ir.PointerType(F32)), align=4)
+
+        def emit(is_half: bool):
+            vb = 2 if is_half else 4
+            chunks = builder.udiv(width, I64(16))
+            with cgutils.for_range(builder, chunks) as chunk:
+                off = builder.mul(chunk.index, I64(64))
+                for r in range(n_rows):
+                    at = builder.inttoptr(builder.add(acc_rows[r], off), ir.PointerType(v16))
+                    builder.store(builder.load(at, align=4), accs[r])
+                v_off = builder.add(v_a, builder.mul(chunk.index, I64(16 * vb)))
+                with cgutils.for_range(builder, n_v) as slot:
+                    vv = value(builder.add(v_off, builder.mul(slot.index, v_step)), 16, is_half)
+                    for r in range(n_rows):
+                        wr = builder.insert_element(
+                            ir.Constant(v16, None), weight(r, slot.index), I32(0)
+                        )
+                        wv = builder.shuffle_vector(wr, wr, splat)
+                        builder.store(_fma(builder, wv, vv, builder.load(accs[r])), accs[r])
+                for r in range(n_rows):
+                    at = builder.inttoptr(builder.add(acc_rows[r], off), ir.PointerType(v16))
+                    builder.store(builder.load(accs[r]), at, align=4)
+            with cgutils.for_range(builder, width, start=builder.mul(chunks, I64(16))) as d:
+                for r in range(n_rows):
+                    at = builder.inttoptr(
+                        builder.add(acc_rows[r], builder.mul(d.index, I64(4))), ir.PointerType(F32)
+                    )
+                    builder.store(builder.load(at, align=4), tails[r])
+                v_off = builder.add(v_a, builder.mul(d.index, I64(vb)))
+                with cgutils.for_range(builder, n_v) as slot:
+                    sv = value(builder.add(v_off, builder.mul(slot.index, v_step)), 1, is_half)
+                    for r in range(n_rows):
+                        builder.store(
+                            builder.call(fma1, [weight(r, slot.index), sv, builder.load(tails[r])]),
+                            tails[r],
+                        )
+                for r in range(n_rows):
+                    at = builder.inttoptr(
+                        builder.add(acc_rows[r], builder.mul(d.index, I64(4))), ir.PointerType(F32)
+                    )
+                    builder.store(builder.load(tails[r]), at, align=4)
+
+        with builder.if_else(half) as (then, otherwise):
+            with then:
+                if HAS_F16C:
+                    emit(True)
+                else:
+                    _no_f16c(builder)
+            with otherwise:
+                emit(False)
+        return context.get_dummy_value()
 
     return sig, codegen
 

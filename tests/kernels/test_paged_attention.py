@@ -371,17 +371,17 @@ def test_numba_decode_matches_reference(page_size, fmts, window, key_mean, shape
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
-@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 # query heads per KV head: 4 (Llama-3.2-1B, Gemma 3) four at a time, 7 (Qwen2-7B) four
-# then three one by one, 1 one by one; unquantized pages also at head widths with a tail
-# past their last 16 lanes (quantized pages need multiples of 32)
+# then three one by one (three together for the values), 1 one by one; unquantized pages
+# also at head widths with a tail past their last 16 lanes (quantized pages need
+# multiples of 32)
 @pytest.mark.parametrize(
     "fmts, heads, head_dim",
     [
         *[((FP32, FP32), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 80), ((12, 3), 40))],
         *[((asym(4), asym(8)), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((4, 4), 96))],
         *[((FP16, FP16), h, d) for h, d in (((8, 2), 64), ((14, 2), 128), ((12, 3), 40))],
-        # fp16 keys, fp32 values; groups of 6 = 4 + 2 and 5 = 4 + 1
+        # values four query heads at a time, then the rest: 6 = 4 + 2, 5 = 4 + 1
         *[((FP16, FP32), h, d) for h, d in (((12, 2), 64), ((10, 2), 80))],
     ],
     ids=str,
