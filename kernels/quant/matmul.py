@@ -268,8 +268,9 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
                 kind.prompt_parts(table, w.data.shape[1], *args, out, decode_tasks())
         if tiles_supported(kind.name):  # kernels/quant/tiles.py
             tiles = repack_parts([w.data], kind.name)
-            # a few tokens, and (on AMX: kernels/quant/amx.py) 16, where taken
-            for tokens in (2, AMX_TOKENS) if amx_ready() else (2,):
+            # one token and a few (Q6_K's float steps: a kernel each), and (on AMX:
+            # kernels/quant/amx.py) 16, where taken
+            for tokens in (1, 2, AMX_TOKENS) if amx_ready() else (1, 2):
                 act = quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
                 for out in (
                     np.empty((tokens, 1), np.float32),

@@ -113,6 +113,10 @@ TOKEN_TILE = 8
 # KBLOCK_CODES' 0, 1: tile_dot), taken for every Q6_K product where AMX serves the tiles,
 # so that a row has the same bits whichever of the two kernels takes its token
 Q6_K_INT = 2
+# Q6_K's tile kernel with the float steps and its zero-point sums negated (``bs``, kind
+# code 3): the same integers, one instruction less per token and sub-block from two
+# tokens a call on; :func:`tile_rows` takes it for two tokens and more, kind 1 for one
+Q6_K_START = 3
 Q6_K_INTEGER = amx_ready()
 # names this layout and its arithmetic: tiles kept on disk and K/V pages computed with
 # them are reused only under the same (engine/model/tile_cache.py, the fingerprint)
@@ -317,9 +321,10 @@ def _q4_k_block(f: _Frame, blk, r_a):
     q4_k_block_end(f, blk, r_a)
 
 
-def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
+def _q6_k_block(f: _Frame, blk, r_a, integer: bool, start: bool = False):
     """One Q6_K super-block of the tile at ``r_a`` into each token's accumulator, each
-    sub-block's scale applied in float, or (``integer``) in integers (:func:`tile_dot`)."""
+    sub-block's scale applied in float, or (``integer``) in integers (:func:`tile_dot`);
+    ``start``: the float steps' zero-point sums come negated (:data:`Q6_K_START`)."""
     b, nt = f.builder, f.nt
     v16i = _vec(I32, 16)
     # the lines STREAM_AHEAD bytes on, asked for as the loop reaches them: the header's
@@ -327,6 +332,11 @@ def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
     # 27 against 15 ns per two rows and blocks, one token)
     stream_ahead(b, r_a, _QL6)
     dots = [f.slots(v16i) for _ in range(2)]  # [lvl][t]
+    # Q6_K_START: the zero-point term (negated) is the second level's starting sum from 2
+    # tokens a call on (an add after the sums at 1): a subtraction less per token and
+    # sub-block, 3-8% at 2-16 tokens; at one token, as a kind of its own (the same code
+    # compiled with these calls cost a lone token 4-9%), the sums subtracted as before
+    start_at_sums = start and nt > 1
     sums = [f.slots(v16i) for _ in range(2)] if integer else None  # sum_s sc[s] * dots
     if not integer:
         for t in range(nt):
@@ -341,9 +351,13 @@ def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
         hi = _load(b, b.add(ql, I64(64)), v16i, 64)
         qh = _load(b, qh_at, v16i, 64)
         codes = q6_k_codes(b, lo, hi, qh)  # the vectors 4 sb + u
+        sums_at = b.add(b.mul(blk, I64(64)), b.mul(sb, I64(4)))
         for lvl in range(2):
             for t in range(nt):
-                b.store(ir.Constant(v16i, None), dots[lvl][t])
+                if lvl and start_at_sums:  # the second level's sum starts from bs[s]
+                    b.store(f.sum_at(t, sums_at), dots[lvl][t])
+                else:
+                    b.store(ir.Constant(v16i, None), dots[lvl][t])
         e0 = b.mul(sb, I64(16))
         for u, code in enumerate(codes):
             f.dot(dots, code, blk, at=b.add(e0, I64(4 * u)))
@@ -358,7 +372,10 @@ def _q6_k_block(f: _Frame, blk, r_a, integer: bool):
             scf = b.sitofp(_load(b, sc_at, _vec(I8, 16), 16), V16)
             for t in range(nt):
                 v = b.add(b.shl(b.load(dots[0][t]), _const(8)), b.load(dots[1][t]))
-                v = b.sub(v, f.sum_at(t, b.add(b.mul(blk, I64(64)), b.mul(sb, I64(4)))))
+                if not start:
+                    v = b.sub(v, f.sum_at(t, sums_at))
+                elif not start_at_sums:
+                    v = b.add(v, f.sum_at(t, sums_at))
                 b.store(_fma(b, b.sitofp(v, V16), scf, b.load(f.part[t])), f.part[t])
     if integer:
         head = q6_k_header(b, r_a)
@@ -422,7 +439,8 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     (exact): ``v = 256 * dot_0 + dot_1 - bs[s]`` (the codes less 32 times both levels:
     ``|v| <= 16 * 32 * 32,640 < 2^24``, so exact in float32 too), then
     ``part = fma(float(v), float(sc[s]), part)`` over the 16 sub-blocks in order from
-    zero, and ``acc = fma(part, d * xd, acc)``.
+    zero, and ``acc = fma(part, d * xd, acc)``. :data:`Q6_K_START` (``kind`` 3): the same
+    with ``bs`` negated, ``dot_1``'s sum starting from it (from two tokens a call on).
 
     Q6_K with its scales in integers (``kind`` :data:`Q6_K_INT`, the same records; ``bs``:
     each level's sums per 16 as int16 pairs, :func:`_q6_k_sums`), where AMX serves Q6_K
@@ -435,13 +453,14 @@ def tile_dot(typingctx, rec, nblk, x, x_tok, x_lvl, xd, xd_tok, bs, bs_tok, out,
     kernel's time with the float steps).
 
     Each: the same operations for a token whatever the others."""
-    code = _literal(kind, (0, 1, Q6_K_INT))
+    code = _literal(kind, (0, 1, Q6_K_INT, Q6_K_START))
     if code is None:
         return None
     block = (
         _q4_k_block,
         functools.partial(_q6_k_block, integer=False),
         functools.partial(_q6_k_block, integer=True),
+        functools.partial(_q6_k_block, integer=False, start=True),
     )[code]
     return _tile_kernel(kind, ntok, RECORDS[min(code, 1)], block)
 
@@ -528,6 +547,11 @@ def _tile_rows_q6_k(tiles, n_rows, q, xl, xd, sums, out, tasks):
 
 
 @numba.njit(**JIT, parallel=True)
+def _tile_rows_q6_k_start(tiles, n_rows, q, xl, xd, sums, out, tasks):
+    _tile_rows(Q6_K_START, tiles, n_rows, q, xl, xd, sums, out, tasks, False)
+
+
+@numba.njit(**JIT, parallel=True)
 def _tile_rows_q6_k_int(tiles, n_rows, q, xl, xd, sums, out, tasks):
     _tile_rows(Q6_K_INT, tiles, n_rows, q, xl, xd, sums, out, tasks, False)
 
@@ -561,26 +585,28 @@ def tile_rows(
     if kind == _Q6_K:
         q, xl, xd = act.q, tokens * act.q.strides[0], act.d[tokens:]
         integer = Q6_K_INTEGER if integer is None else integer
+        start = not integer and tokens > 1
         if not integer:
-            fn = _tile_rows_q6_k
+            fn = _tile_rows_q6_k_start if start else _tile_rows_q6_k
         else:
             fn = _tile_rows_q6_k_int_amx if on_amx else _tile_rows_q6_k_int
-        fn(tiles, n_rows, q, xl, xd, _q6_k_sums(act, integer), out, tasks)
+        fn(tiles, n_rows, q, xl, xd, _q6_k_sums(act, integer, start), out, tasks)
         return
     q, xd, sums = act.coarse_levels()
     fn = _tile_rows_q4_k_amx if on_amx else _tile_rows_q4_k
     fn(tiles, n_rows, q, 32, xd, sums, out, tasks)
 
 
-def _q6_k_sums(act, integer: bool) -> np.ndarray:
+def _q6_k_sums(act, integer: bool, negated: bool = False) -> np.ndarray:
     """The per-token integer sums Q6_K's tile kernel takes from two-level super-block
-    activations: the paired sums per 16 times the codes' zero point 32, or, with its
+    activations: the paired sums per 16 times the codes' zero point 32 (``negated``: times
+    -32, for :data:`Q6_K_START`), or, with its
     scales in integers (``integer``: :data:`Q6_K_INTEGER`), each level's sums per 16 as
     int16 pairs of sub-blocks (``|s| <= 16 * 127``), per block the first level's eight
     pairs then the second's (:func:`~kernels.quant.tile_layout.q6_k_token_end`). (Q4_K's
     come with its coarse levels.)"""
     if not integer:
-        return act.pair16 * np.int32(32)
+        return act.pair16 * np.int32(-32 if negated else 32)
     tokens, k16 = act.pair16.shape
     lv = act.bsum16[: 2 * tokens].reshape(2, tokens, k16 // 16, 8, 2)
     pairs = (lv[..., 0] & np.int32(0xFFFF)) | (lv[..., 1] << np.int32(16))
