@@ -193,7 +193,7 @@ class Sampler:
             # Nothing to process: the argmax of the raw logits (the common chat case,
             # and most of a decode step's sampling time otherwise).
             _check_batch(logits, settings, prompt_tokens, generated_tokens)
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         scores = process_logits(logits, settings, prompt_tokens, generated_tokens)
         empty = empty_rows(scores)
         if empty:
@@ -214,6 +214,16 @@ class Sampler:
             return picked
         tokens[torch.tensor(rows, device=tokens.device)] = picked
         return tokens
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; float32 CPU logits through numpy's vectorised argmax
+    (16 x 128k: 0.28 against torch's 1.5 ms, 2 threads; 2% of a 16-sequence decode step
+    at the 1B shape). The same answers: the first of equal maxima, the first NaN where
+    a row has one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def model_logprobs(

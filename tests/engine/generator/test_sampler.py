@@ -24,6 +24,7 @@ from engine.generator.sampler import (
     NothingToSample,
     Sampler,
     SamplingSettings,
+    argmax_rows,
     empty_rows,
     make_generator,
     process_logits,
@@ -339,3 +340,22 @@ def test_huge_biases_are_refused_and_inf_or_nan_logits_never_yield_an_id_outside
     for seed in range(50):
         token = Sampler().sample(logits[:1], settings[:1], [make_generator(seed)], [[]], [[]])
         assert 0 <= int(token) < vocab
+
+
+def test_argmax_rows_answers_as_torch_does_with_ties_infinities_and_nans():
+    """The greedy argmax (numpy's on CPU float32 logits) against torch's on the same rows:
+    random rows, a tie for the maximum (the first wins), +inf and -inf, a NaN (the first
+    NaN wins), an all -inf row, a non-contiguous view, and a bf16 batch (torch's path)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 50_000, generator=g)
+    x[1, [7, 40_000]] = 9.0  # tie
+    x[2, 123] = math.inf
+    x[3, [5, 6]] = math.nan
+    x[3, 4] = math.inf
+    x[4] = -math.inf
+    x[5, 49_999] = 100.0  # the last column
+    x[6, [10, 20]] = math.inf  # tie of infinities
+    for rows in (x, x[:, ::2], x[::3], x[:1]):
+        got = argmax_rows(rows)
+        assert got.dtype == torch.int64 and got.tolist() == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(x.bfloat16()).tolist() == x.bfloat16().argmax(dim=-1).tolist()
