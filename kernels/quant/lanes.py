@@ -36,14 +36,19 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from kernels.quant.blocks import INLINE, part_of, part_rows
-from kernels.quant.simd import F32, HOST_ISA, I32, I64, _fma, _fn, _literal, _vec, stream_ahead
-from kernels.quant.superblock import (
-    KBLOCK_KINDS,
-    _block_scales,
-    _load,
+from kernels.quant.simd import (
+    F32,
+    HOST_ISA,
+    I32,
+    I64,
+    _fma,
+    _fn,
+    _literal,
     _splat,
-    _wide_codes,
+    _vec,
+    stream_ahead,
 )
+from kernels.quant.superblock import KBLOCK_KINDS, _block_scales, _load, _wide_codes
 
 __all__ = ["LANES", "TOKEN_TILE", "lane_rows", "lanes_supported"]
 

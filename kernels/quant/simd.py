@@ -152,6 +152,15 @@ def _convert_rows(builder, src, dst, n, src_t: ir.Type, dst_t: ir.Type, convert)
         builder.store(convert(s, dst_t), out, align=db)
 
 
+def _splat(builder, value, n: int):
+    """``value`` in each of ``n`` lanes."""
+    t = _vec(value.type, n)
+    one = builder.insert_element(ir.Constant(t, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(
+        one, ir.Constant(t, ir.Undefined), ir.Constant(_vec(I32, n), [0] * n)
+    )
+
+
 def _no_f16c(builder) -> None:
     """In place of a half conversion on a CPU without F16C, where LLVM would call a runtime
     function numba's JIT does not link (a call to address 0): a trap. Never reached: such
@@ -446,10 +455,7 @@ def float_max(typingctx, a, n, start):
         v16 = _vec(F32, 16)
         vmax = _fn(builder, "llvm.maxnum.v16f32", v16, [v16, v16])
         smax = _fn(builder, "llvm.maxnum.f32", F32, [F32, F32])
-        first = builder.insert_element(ir.Constant(v16, None), start, I32(0))
-        acc = cgutils.alloca_once_value(
-            builder, builder.shuffle_vector(first, first, ir.Constant(_vec(I32, 16), [0] * 16))
-        )
+        acc = cgutils.alloca_once_value(builder, _splat(builder, start, 16))
         chunks = builder.udiv(n_v, I64(16))
         with cgutils.for_range(builder, chunks) as loop:
             at = builder.add(a_a, builder.mul(loop.index, I64(64)))
@@ -495,7 +501,6 @@ def weighted_rows(typingctx, acc, acc_step, w, w_step, v, v_step, n, width, rows
         accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(n_rows)]
         tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(n_rows)]
         fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
-        splat = ir.Constant(_vec(I32, 16), [0] * 16)
 
         def value(at, count: int, is_half: bool):
             """``count`` values (16 or 1) at byte address ``at`` as float32."""
@@ -523,10 +528,7 @@ def weighted_rows(typingctx, acc, acc_step, w, w_step, v, v_step, n, width, rows
                 with cgutils.for_range(builder, n_v) as slot:
                     vv = value(builder.add(v_off, builder.mul(slot.index, v_step)), 16, is_half)
                     for r in range(n_rows):
-                        wr = builder.insert_element(
-                            ir.Constant(v16, None), weight(r, slot.index), I32(0)
-                        )
-                        wv = builder.shuffle_vector(wr, wr, splat)
+                        wv = _splat(builder, weight(r, slot.index), 16)
                         builder.store(_fma(builder, wv, vv, builder.load(accs[r])), accs[r])
                 for r in range(n_rows):
                     at = builder.inttoptr(builder.add(acc_rows[r], off), ir.PointerType(v16))

@@ -55,6 +55,7 @@ from kernels.quant.simd import (
     _fma,
     _fn,
     _literal,
+    _splat,
     _tree_sum,
     _vec,
     scale_field,
@@ -68,14 +69,6 @@ ISA = ISA_CODES[HOST_ISA]  # a compile-time constant of every kernel (see _cache
 
 def _load(builder, addr, t: ir.Type, align: int = 1):
     return builder.load(builder.inttoptr(addr, ir.PointerType(t)), align=align)
-
-
-def _splat(builder, value, n: int):
-    t = _vec(value.type, n)
-    one = builder.insert_element(ir.Constant(t, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(
-        one, ir.Constant(t, ir.Undefined), ir.Constant(_vec(I32, n), [0] * n)
-    )
 
 
 def _pick(builder, v, index: list[int]):

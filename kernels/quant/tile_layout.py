@@ -10,8 +10,8 @@ from __future__ import annotations
 from llvmlite import ir
 from numba.core import cgutils
 
-from kernels.quant.simd import F32, I8, I16, I32, I64, _fma, _fn, _vec
-from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load, _splat
+from kernels.quant.simd import F32, I8, I16, I32, I64, _fma, _fn, _splat, _vec
+from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load
 
 # bytes of a super-block in the file, by kind
 Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6_K"))
