@@ -183,8 +183,10 @@ class Engine:
         self.loaded = loaded
         cache_settings = cache_settings or CacheSettings()
         calibration = calibration_for(loaded, cache_settings)
-        self.cache = KVCache.for_model(loaded, cache_settings, calibration)
+        # warmed before the cache is allocated: the warm-up drops the code only loading
+        # ran from the resident set, which the cache's pages would otherwise join
         self.warm_up_error = _warm_up(loaded, cache_settings, calibration)
+        self.cache = KVCache.for_model(loaded, cache_settings, calibration)
         self._weight_bytes = loaded.weight_bytes  # summed once: the snapshots repeat it
         self.telemetry = Telemetry(history=telemetry_history)
         self.generator = Generator(loaded, self.cache, settings, self.telemetry)

@@ -71,6 +71,7 @@ class ModelInfo:
     # (layers, KV heads, head size): what prices a token of KV cache (gui.settings_hints)
     kv_shape: tuple[int, int, int] | None = None
     context_length: int | None = None  # the most tokens the model was trained to read
+    vocab_size: int | None = None  # sizes the runtime's memory (engine.hub.fit)
     batch_copy_bytes: int = 0  # bf16 copies kept for batched decode (kernels/bf16.py)
     url: str = ""  # a remote engine's server; "" for this computer's
     # Why the model is not on the device the settings ask for (a GPU that is not there);
@@ -115,6 +116,7 @@ def describe_model(loaded: LoadedModel, device_note: str = "") -> ModelInfo:
         weight_costs=weight_costs(loaded),
         kv_shape=_kv_shape(loaded.config),
         context_length=getattr(loaded.config, "max_position_embeddings", None),
+        vocab_size=getattr(loaded.config, "vocab_size", None),
         batch_copy_bytes=int(loaded.batched_weights_bytes or 0),
         device_note=device_note,
     )

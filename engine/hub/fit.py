@@ -26,15 +26,29 @@ __all__ = [
     "estimate_fit",
     "free_memory",
     "kv_bytes_per_token",
+    "runtime_overhead_bytes",
 ]
 
-# Activations, the tokenizer, Python, torch and the compiled kernels themselves: a floor
-# under every estimate. Measured (peak RSS after a 512-token prompt and 32 tokens, native
-# weights, 4,096-token cache, less weights and KV): about 345 MB once torch, numba and the
-# kernels are loaded, 440 MB in all for SmolLM2, 525 MB at the Llama-3.2-1B shape, 556 MB
-# for Gemma 3 270M (its 262k vocabulary); tests/engine/test_fit_rss.py holds the estimate
-# to within 10% of what loading takes.
-RUNTIME_OVERHEAD_BYTES = 460 * 1024**2
+# Python, torch, numba, the compiled kernels, the tokenizer and a step's activations,
+# over the weights and the KV cache. Measured (peak RSS of a fresh process after the
+# engine's warm-up, a 512-token prompt and 32 tokens, native weights, a 4,096-token
+# cache, less weights and KV; tests/engine/test_fit_rss.py): SmolLM2 (49,152-token
+# vocabulary) 321-323 MB, Gemma 3 270M (262,144) 421-433 MB, the Llama-3.2-1B shape
+# (128,256) 405 MB. A floor, and a part that grows with the vocabulary (the
+# tokenizer's tables, the vocabulary's strings, logits): 298 MB + 488 B a token.
+RUNTIME_FLOOR_BYTES = 298_000_000
+RUNTIME_BYTES_PER_VOCAB_TOKEN = 488
+TYPICAL_VOCAB = 128_256  # Llama 3's: the estimate where a model's vocabulary is unknown
+
+
+def runtime_overhead_bytes(vocab_size: int | None = None) -> int:
+    """The runtime's bytes beside weights and KV cache for a model of ``vocab_size``
+    tokens (TYPICAL_VOCAB when unknown)."""
+    vocab = vocab_size if vocab_size and vocab_size > 0 else TYPICAL_VOCAB
+    return RUNTIME_FLOOR_BYTES + RUNTIME_BYTES_PER_VOCAB_TOKEN * vocab
+
+
+RUNTIME_OVERHEAD_BYTES = runtime_overhead_bytes()  # at TYPICAL_VOCAB: 361 MB
 # "Fits" leaves a fifth of the free memory to the rest of the system; between that and
 # all of it the model will load but the machine may swap or the GPU run out: "Tight".
 COMFORT_FRACTION = 0.8
@@ -103,6 +117,7 @@ class FitEstimate:
     need_bytes: int  # weights + KV + runtime overhead
     free_bytes: int | None
     note: str = ""  # why the estimate is rough or unknown, in plain words
+    runtime_bytes: int = RUNTIME_OVERHEAD_BYTES  # runtime_overhead_bytes of the vocabulary
 
     @property
     def text(self) -> str:
@@ -123,12 +138,13 @@ def estimate_fit(
     device: str = "cpu",
     free_bytes: int | None = None,
     note: str = "",
+    vocab_size: int | None = None,
 ) -> FitEstimate:
     """Label a model Fits / Tight / Won't fit for ``plan`` on ``device``.
 
     ``free_bytes`` defaults to :func:`free_memory` (available RAM, or free VRAM on CUDA).
     Without ``kv_per_token`` (layer and head counts unknown) only the weights count and
-    the note says so.
+    the note says so. ``vocab_size`` sizes the runtime's part (TYPICAL_VOCAB when None).
     """
     if free_bytes is None:
         free_bytes = free_memory(device)
@@ -137,7 +153,8 @@ def estimate_fit(
         note = "; ".join(
             filter(None, (note, "KV cache not counted (layer and head counts unknown)"))
         )
-    need = weight_bytes + kv + RUNTIME_OVERHEAD_BYTES
+    runtime = runtime_overhead_bytes(vocab_size)
+    need = weight_bytes + kv + runtime
     if free_bytes is None:
         label = Fit.UNKNOWN
     elif need <= COMFORT_FRACTION * free_bytes:
@@ -146,7 +163,7 @@ def estimate_fit(
         label = Fit.TIGHT
     else:
         label = Fit.WONT_FIT
-    return FitEstimate(label, device, weight_bytes, kv, need, free_bytes, note)
+    return FitEstimate(label, device, weight_bytes, kv, need, free_bytes, note, runtime)
 
 
 def free_memory(device: str = "cpu") -> int | None:

@@ -96,6 +96,7 @@ class GGUFSummary:
     # Estimated resident bytes of the weights once Folio has loaded them (int4 mode).
     weight_bytes: int | None = None
     problem: str | None = None
+    vocab_size: int | None = None  # tokens of the vocabulary, where the header says
 
     @property
     def supported(self) -> bool:
@@ -170,7 +171,20 @@ def summary_from_metadata(
         tensor_types=types,
         weight_bytes=weight_bytes,
         problem=problem,
+        vocab_size=_vocab_size(meta, arch),
     )
+
+
+def _vocab_size(meta: dict[str, Any], arch: str) -> int | None:
+    """The vocabulary's size: ``{arch}.vocab_size``, else the tokenizer's token list."""
+    size = _int(meta.get(f"{arch}.vocab_size"))
+    if size:
+        return size
+    tokens = meta.get("tokenizer.ggml.tokens")
+    try:
+        return len(tokens) or None
+    except TypeError:
+        return None
 
 
 def _type_name(qtype: int) -> str:

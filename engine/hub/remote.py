@@ -196,6 +196,7 @@ class ModelShape:
     kv_heads: int | None
     head_dim: int | None
     weight_bytes: int | None  # resident after loading
+    vocab_size: int | None = None  # sizes the runtime's part of the estimate
 
     @property
     def kv_known(self) -> bool:
@@ -492,12 +493,17 @@ def shape_from_hf_config(config: dict[str, Any], weight_bytes: int | None) -> Mo
         cfg.get("num_key_value_heads") or heads,
         head_dim,
         weight_bytes,
+        cfg.get("vocab_size"),
     )
 
 
 def shape_from_summary(summary: GGUFSummary) -> ModelShape:
     return ModelShape(
-        summary.num_layers, summary.num_kv_heads, summary.head_dim, summary.weight_bytes
+        summary.num_layers,
+        summary.num_kv_heads,
+        summary.head_dim,
+        summary.weight_bytes,
+        summary.vocab_size,
     )
 
 
@@ -569,4 +575,5 @@ def candidate_fit(
             note = "; ".join(
                 filter(None, (note, f"head size {shape.head_dim} needs an unquantized KV cache"))
             )
-    return estimate_fit(weights, kv, plan, device, free_bytes, note)
+    vocab = shape.vocab_size if shape is not None else None
+    return estimate_fit(weights, kv, plan, device, free_bytes, note, vocab)

@@ -30,7 +30,6 @@ from engine.cache.kv_cache import DEFAULT_TOKEN_BUDGET, CacheSettings
 from engine.hub.errors import HubError
 from engine.hub.fit import (
     COMFORT_FRACTION,
-    RUNTIME_OVERHEAD_BYTES,
     CachePlan,
     FitEstimate,
     kv_bytes_per_token,
@@ -141,7 +140,7 @@ def fit_arithmetic(fit: FitEstimate, plan: CachePlan, extra_note: str = "") -> s
             f"+ KV cache {format_bytes(fit.kv_bytes)} = {plan.cached_tokens:,} tokens"
             f" × {per_token:,} B (K {k}, V {v}, pages of {plan.page_size})"
         )
-    lines.append(f"+ runtime {format_bytes(RUNTIME_OVERHEAD_BYTES)}")
+    lines.append(f"+ runtime {format_bytes(fit.runtime_bytes)}")
     free = format_bytes(fit.free_bytes) if fit.free_bytes is not None else "unknown"
     where = "RAM" if fit.device == "cpu" else f"memory on {fit.device}"
     lines.append(f"= needs {format_bytes(fit.need_bytes)}   (free {where} now: {free})")

@@ -114,7 +114,9 @@ def local_shape(model: LocalModel, weight_mode: str) -> ModelShape:
         finally:
             gf.close()
         weights = resident_weight_bytes(tensors, weight_mode)
-        return ModelShape(summary.num_layers, summary.num_kv_heads, summary.head_dim, weights)
+        return ModelShape(
+            summary.num_layers, summary.num_kv_heads, summary.head_dim, weights, summary.vocab_size
+        )
     from engine.hub.remote import shape_from_hf_config
 
     config = json.loads((model.path / "config.json").read_text(encoding="utf-8"))
@@ -169,9 +171,14 @@ def process_memory_tip(
     batch_copy_bytes: int,
     kv_bytes: int,
     host_bytes: int,
+    runtime_bytes: int | None = None,
 ) -> str:
-    """Why the process takes the memory it does: the status bar figure's tooltip."""
-    from engine.hub.fit import RUNTIME_OVERHEAD_BYTES
+    """Why the process takes the memory it does: the status bar figure's tooltip.
+    ``runtime_bytes``: `engine.hub.fit.runtime_overhead_bytes` of the model's vocabulary
+    (a typical one's when None)."""
+    from engine.hub.fit import runtime_overhead_bytes
+
+    runtime = runtime_bytes if runtime_bytes is not None else runtime_overhead_bytes()
 
     def size(n: int) -> str:
         return format_bytes(n, binary=True)
@@ -194,10 +201,10 @@ def process_memory_tip(
     if host_bytes:
         lines.append(f"+ host tier {size(host_bytes)}")
     lines.append(
-        f"+ runtime about {size(RUNTIME_OVERHEAD_BYTES)} (Python, torch, numba, the "
+        f"+ runtime about {size(runtime)} (Python, torch, numba, the tokenizer, the "
         "compiled kernels and a step's activations: Folio's measured floor)"
     )
-    accounted = weight_bytes + batch_copy_bytes + kv_bytes + host_bytes + RUNTIME_OVERHEAD_BYTES
+    accounted = weight_bytes + batch_copy_bytes + kv_bytes + host_bytes + runtime
     rest = rss - accounted
     if rest >= 0:
         lines.append(

@@ -28,8 +28,21 @@ from engine.hub.errors import (
     RepoNotFoundError,
     VerificationError,
 )
-from engine.hub.fit import CachePlan, Fit, estimate_fit, kv_bytes_per_token
-from engine.hub.gguf_info import quant_from_filename, summary_from_file, summary_from_prefix
+from engine.hub.fit import (
+    RUNTIME_BYTES_PER_VOCAB_TOKEN,
+    TYPICAL_VOCAB,
+    CachePlan,
+    Fit,
+    estimate_fit,
+    kv_bytes_per_token,
+    runtime_overhead_bytes,
+)
+from engine.hub.gguf_info import (
+    quant_from_filename,
+    summary_from_file,
+    summary_from_metadata,
+    summary_from_prefix,
+)
 from engine.hub.library import (
     delete_model,
     import_model,
@@ -225,6 +238,37 @@ def test_fit_labels_and_page_rounding():
         == Fit.FITS
     )
     assert estimate_fit(gb, kv, plan).free_bytes > 0  # real free RAM of this machine
+
+
+def test_the_fit_prices_the_runtime_for_the_vocabulary():
+    """The runtime's part of a fit grows with the model's vocabulary (the tokenizer's
+    tables and the vocabulary's strings: Gemma 3's 262k tokens take 100 MB more than
+    SmolLM2's 49k), priced at Llama 3's 128k where the vocabulary is unknown."""
+    gb = 10**9
+    plan = CachePlan(context_tokens=1024, page_size=256)
+    kv = kv_bytes_per_token(30, 3, 64, 16, 16)
+    small, unknown, big = (
+        estimate_fit(gb, kv, plan, free_bytes=4 * gb, vocab_size=v)
+        for v in (49_152, None, 262_144)
+    )
+    assert small.need_bytes < unknown.need_bytes < big.need_bytes
+    assert big.need_bytes - small.need_bytes == RUNTIME_BYTES_PER_VOCAB_TOKEN * 212_992
+    assert unknown.runtime_bytes == runtime_overhead_bytes(TYPICAL_VOCAB)
+    assert big.need_bytes == gb + kv * 1024 + big.runtime_bytes
+    # A vocabulary of 0 (a broken header) is priced as unknown, not as none.
+    assert runtime_overhead_bytes(0) == unknown.runtime_bytes
+
+
+def test_the_summary_reads_the_vocabulary_size(smollm2_path):
+    assert summary_from_file(smollm2_path).vocab_size == 49_152
+    assert remote.shape_from_summary(summary_from_file(smollm2_path)).vocab_size == 49_152
+    base = {"general.architecture": "llama", "llama.block_count": 2}
+    tokens = {**base, "tokenizer.ggml.tokens": ["a", "b", "c"]}
+    assert summary_from_metadata(tokens, None, "t").vocab_size == 3
+    assert summary_from_metadata({**tokens, "llama.vocab_size": 7}, None, "t").vocab_size == 7
+    assert summary_from_metadata(base, None, "t").vocab_size is None
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert remote.shape_from_hf_config({**config, "vocab_size": 9}, None).vocab_size == 9
 
 
 def test_header_prefix_parse_matches_the_file_reader(tmp_path, gguf_bytes):

@@ -14,7 +14,13 @@ from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import QMessageBox
 
 from engine.cache.page import PageState
-from engine.hub.fit import RUNTIME_OVERHEAD_BYTES, Fit, kv_bytes_per_token
+from engine.hub.fit import (
+    RUNTIME_OVERHEAD_BYTES,
+    Fit,
+    kv_bytes_per_token,
+    runtime_overhead_bytes,
+)
+from engine.hub.gguf_info import summary_from_file
 from engine.hub.library import list_local_models
 from engine.model.fetch import DEFAULT_MODEL
 from engine.units import format_bytes
@@ -130,7 +136,10 @@ def test_picker_lists_local_models_with_fit_and_switches(qtbot, tmp_path, models
     assert entry.fit.kv_bytes == snapshot.cache_bytes
     assert entry.fit.weight_bytes == info.weight_costs[window.engine_settings.weights]
     assert abs(entry.fit.weight_bytes - info.weight_bytes) <= 0.05 * info.weight_bytes
-    need = entry.fit.weight_bytes + snapshot.cache_bytes + RUNTIME_OVERHEAD_BYTES
+    # the runtime's part priced for this model's vocabulary (engine/hub/fit.py)
+    runtime = runtime_overhead_bytes(summary_from_file(first).vocab_size)
+    assert runtime != RUNTIME_OVERHEAD_BYTES  # SmolLM2's 49k tokens, not Llama 3's 128k
+    need = entry.fit.weight_bytes + snapshot.cache_bytes + runtime
     assert entry.fit.need_bytes == need
     assert picker.currentText() == f"{first.stem} — Fits · {format_bytes(need)}"
     per_token = kv_bytes_per_token(*info.kv_shape)

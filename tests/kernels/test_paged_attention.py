@@ -551,3 +551,12 @@ def test_a_fresh_prompt_takes_the_causal_kernel_with_the_masks_bits():
         q, k, v, attn_mask=mask, scale=case.scale, enable_gqa=True
     ).transpose(1, 2)[0]
     assert torch.equal(case.paged(), masked)
+
+
+@pytest.mark.parametrize("shape", [(300, 37), (40, 40), (17, 2)])
+@pytest.mark.parametrize("window", [None, 8])
+def test_one_prompt_chunk_matches_contiguous(shape, window):
+    """A step of one sequence's prompt chunk (after a cached prefix, or from the first
+    token) takes the reference's path without gathers (kernels/paged_attention.py)."""
+    case = make_case([shape], 16)
+    assert _max_err(case.paged(sliding_window=window), case.reference(window)) < EXACT
