@@ -31,7 +31,8 @@ the same figures from llama.cpp (prefill and decode its fastest of two repetitio
 Folio's are its faster of two runs), then the ratios Folio / llama.cpp. ``--rounds N``
 runs the two engines in turns N times and adds each engine's best round
 (:func:`best_of`): the host's speed swings by tens of percent within minutes, and a
-slow minute then hits one round rather than one engine.
+slow minute then hits one round rather than one engine. Memory figures take the largest
+round instead.
 """
 
 from __future__ import annotations
@@ -186,14 +187,17 @@ def _repacking_load_s(path: str, weights: str, device: str) -> float | None:
     return seconds if loaded.tile_cache is not None else None
 
 
-# figures where more is better; of the rest, the times and the peak are best least
+# figures where more is better; the times, best least; the memory, the largest round
+# (a ceiling the user's machine must hold, not a speed the host lends for a minute)
 _FASTER = ("prefill_tok_s", "decode_tok_s", "decode_gb_s")
-_SOONER = ("load_s", "warm_up_s", "first_token_s", "peak_rss_bytes", "rss_loaded_bytes")
+_SOONER = ("load_s", "warm_up_s", "first_token_s")
+_LARGEST = ("peak_rss_bytes", "rss_loaded_bytes", "peak_over_file_and_kv_bytes")
 
 
 def best_of(records: list[dict]) -> dict:
-    """One engine's rounds as one record: each figure's best round (``s_tg`` per batch
-    size), the rest as the first round has them."""
+    """One engine's rounds as one record: each speed's and time's best round (``s_tg``
+    per batch size), each memory figure's largest, the rest as the first round has
+    them."""
     best = dict(records[0])
     for key in _FASTER:
         values = [r[key] for r in records if r.get(key) is not None]
@@ -203,6 +207,10 @@ def best_of(records: list[dict]) -> dict:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
             best[key] = min(values)
+    for key in _LARGEST:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            best[key] = max(values)
     best["s_tg"] = {
         b: max(r["s_tg"][b] for r in records if b in r.get("s_tg", {}))
         for b in records[0].get("s_tg", {})

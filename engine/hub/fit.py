@@ -31,13 +31,14 @@ __all__ = [
 
 # Python, torch, numba, the compiled kernels, the tokenizer and a step's activations,
 # over the weights and the KV cache. Measured (peak RSS of a fresh process after the
-# engine's warm-up, a 512-token prompt and 32 tokens, native weights, a 4,096-token
-# cache, less weights and KV; tests/engine/test_fit_rss.py): SmolLM2 (49,152-token
-# vocabulary) 321-323 MB, Gemma 3 270M (262,144) 421-433 MB, the Llama-3.2-1B shape
-# (128,256) 405 MB. A floor, and a part that grows with the vocabulary (the
-# tokenizer's tables, the vocabulary's strings, logits): 298 MB + 488 B a token.
-RUNTIME_FLOOR_BYTES = 298_000_000
-RUNTIME_BYTES_PER_VOCAB_TOKEN = 488
+# engine's warm-up, which drops the libraries' code from the resident set, a 512-token
+# prompt and 32 tokens, native weights, a 4,096-token cache, less weights and KV;
+# tests/engine/test_fit_rss.py): SmolLM2 (49,152-token vocabulary) 304-307 MB, Gemma 3
+# 270M (262,144) 408-419 MB, the Llama-3.2-1B shape (128,256) 379-383 MB. A floor, and
+# a part that grows with the vocabulary (the tokenizer's tables, the vocabulary's
+# strings, logits): 281 MB + 505 B a token.
+RUNTIME_FLOOR_BYTES = 281_000_000
+RUNTIME_BYTES_PER_VOCAB_TOKEN = 505
 TYPICAL_VOCAB = 128_256  # Llama 3's: the estimate where a model's vocabulary is unknown
 
 
@@ -48,7 +49,7 @@ def runtime_overhead_bytes(vocab_size: int | None = None) -> int:
     return RUNTIME_FLOOR_BYTES + RUNTIME_BYTES_PER_VOCAB_TOKEN * vocab
 
 
-RUNTIME_OVERHEAD_BYTES = runtime_overhead_bytes()  # at TYPICAL_VOCAB: 361 MB
+RUNTIME_OVERHEAD_BYTES = runtime_overhead_bytes()  # at TYPICAL_VOCAB: 346 MB
 # "Fits" leaves a fifth of the free memory to the rest of the system; between that and
 # all of it the model will load but the machine may swap or the GPU run out: "Tight".
 COMFORT_FRACTION = 0.8

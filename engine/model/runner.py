@@ -85,8 +85,9 @@ def warm_up(
     kernel the model's weight and K/V types use, about 0.25 s on a 2-core machine, which
     the engine pays while it starts rather than in the first reply. Its page holds
     WARM_UP_PAGE tokens whatever ``settings`` say (the kernels do not depend on it; a
-    1,024-token page of a 7B model's fp32 K/V would be 117 MB). Then the code that only
-    loading ran leaves the resident set (`engine.allocator.release_load_code`: 100 MB at
+    1,024-token page of a 7B model's fp32 K/V would be 117 MB). Then the libraries' code
+    leaves the resident set, to come back as it runs again
+    (`engine.allocator.release_library_code`: what only loading ran stays out, 120 MiB at
     the Llama-3.2-1B shape): call it before allocating the model's cache, or the peak RSS
     holds both.
 
@@ -104,4 +105,4 @@ def warm_up(
     with torch.inference_mode():
         SequenceRunner(loaded, cache, [0]).step()
     del cache
-    allocator.release_load_code()
+    allocator.release_library_code()

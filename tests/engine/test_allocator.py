@@ -66,7 +66,10 @@ Anonymous:             0 kB
 7f0014000000-7f0014100000 r-xp 00000000 fd:01 15 /old/libtorch_cpu.so (deleted)
 Rss:                 100 kB
 Anonymous:             0 kB
-7f0015000000-7f0015100000 r-xp 00000000 fd:01 16 /venv/torch/lib/libtorch_cpu.so.bak/libx.so
+7f0015000000-7f0015100000 r--p 00000000 fd:01 16 /usr/lib/locale/locale-archive
+Rss:                 100 kB
+Anonymous:             0 kB
+7f0015100000-7f0015200000 r--p 00000000 fd:01 17 /models/model.so.gguf
 Rss:                 100 kB
 Anonymous:             0 kB
 7f0016000000-7f0016200000 rw-p 00000000 00:00 0
@@ -75,19 +78,20 @@ Anonymous:          2048 kB
 """
 
 
-def test_load_code_is_the_clean_read_only_mappings_of_llvm_and_torch():
-    """Only LLVM's and torch's code and read-only data as the file has them: not their
-    relocated (RELRO) or writable parts, not other libraries, not a model file's pages,
-    not a library replaced on disk."""
-    ranges = allocator.load_code_ranges(_SMAPS.splitlines(keepends=True))
+def test_library_code_is_the_clean_read_only_mappings_of_shared_libraries():
+    """Only shared libraries' code and read-only data as the file has them: not their
+    relocated (RELRO) or writable parts, not other files (a model's pages, the locale
+    archive), not a library replaced on disk, not anonymous memory."""
+    ranges = allocator.library_code_ranges(_SMAPS.splitlines(keepends=True))
     assert ranges == [
         (0x7F0000000000, 0x7F0000100000, 400 * 1024),
         (0x7F0000100000, 0x7F0000900000, 8000 * 1024),
         (0x7F0001000000, 0x7F0001800000, 5000 * 1024),
+        (0x7F0002000000, 0x7F0002100000, 900 * 1024),
     ]
 
 
-# A fresh process: torch and numba loaded and used, then their load-time code released;
+# A fresh process: torch and numba loaded and used, then the libraries' code released;
 # what stays resident of it, and whether torch and numba still compute right after.
 _RELEASE_CHILD = """
 import json
@@ -103,14 +107,14 @@ def dot(a, b):
 
 def resident():
     with open("/proc/self/smaps") as smaps:
-        return sum(r for _, _, r in allocator.load_code_ranges(smaps))
+        return sum(r for _, _, r in allocator.library_code_ranges(smaps))
 
 a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
 x = np.arange(100, dtype=np.float64)
 expect_mm, expect_dot = (a @ a).numpy(), float(x @ x)
 dot(x, x)
 before = resident()
-released = allocator.release_load_code()
+released = allocator.release_library_code()
 ok = np.allclose((a @ a).numpy(), expect_mm) and dot(x, x) == expect_dot
 after = resident()
 print(json.dumps({"before": before, "released": released, "after": after, "ok": bool(ok)}))
@@ -118,9 +122,9 @@ print(json.dumps({"before": before, "released": released, "after": after, "ok": 
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and madvise")
-def test_the_load_code_leaves_the_resident_set_and_still_runs():
+def test_library_code_leaves_the_resident_set_and_still_runs():
     got = run_json(_RELEASE_CHILD)
-    assert got["before"] > 50e6, got  # LLVM and torch: tens of MB once used
+    assert got["before"] > 50e6, got  # LLVM's and torch's alone: tens of MB once used
     assert got["released"] >= 0.9 * got["before"], got
     # back after it: only the pages that the two calls after it ran
     assert 0 < got["after"] < 0.3 * got["before"], got

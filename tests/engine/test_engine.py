@@ -440,10 +440,11 @@ def test_a_warm_up_that_fails_leaves_the_engine_serving(tiny, monkeypatch):
         assert engine.submit(_ids_request(1, max_new_tokens=3)).wait(60).new_tokens == 3
 
 
-def test_the_load_code_leaves_after_the_warm_up_and_before_the_cache(tiny, monkeypatch):
-    """The engine's start drops the code only loading ran (engine.allocator) once the
-    warm-up's forward has loaded the kernels, and allocates its cache after that, so that
-    the peak RSS never holds both the cache's pages and that code."""
+def test_library_code_leaves_after_the_warm_up_and_before_the_cache(tiny, monkeypatch):
+    """The engine's start drops the libraries' code from the resident set
+    (engine.allocator) once the warm-up's forward has loaded the kernels, and allocates
+    its cache after that, so that the peak RSS never holds both the cache's pages and the
+    code only loading ran."""
     import engine.model.runner as runner
     from engine.cache.kv_cache import KVCache
     from engine.model.transformer import Transformer
@@ -460,7 +461,7 @@ def test_the_load_code_leaves_after_the_warm_up_and_before_the_cache(tiny, monke
         return real_for_model(loaded, settings, *args, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", forward)
-    monkeypatch.setattr(runner.allocator, "release_load_code", lambda: order.append("release"))
+    monkeypatch.setattr(runner.allocator, "release_library_code", lambda: order.append("release"))
     monkeypatch.setattr(KVCache, "for_model", staticmethod(for_model))
     Engine(tiny, CacheSettings(page_size=64, token_budget=1024))
     assert order == ["cache of 16 tokens", "forward", "release", "cache of 1024 tokens"]
