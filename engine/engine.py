@@ -183,8 +183,9 @@ class Engine:
         self.loaded = loaded
         cache_settings = cache_settings or CacheSettings()
         calibration = calibration_for(loaded, cache_settings)
-        # warmed before the cache is allocated: the warm-up drops the code only loading
-        # ran from the resident set, which the cache's pages would otherwise join
+        # warmed before the cache is allocated: the warm-up drops the libraries' code
+        # from the resident set (what only loading ran stays out), and the peak RSS
+        # would otherwise hold that code and the cache's pages together
         self.warm_up_error = _warm_up(loaded, cache_settings, calibration)
         self.cache = KVCache.for_model(loaded, cache_settings, calibration)
         self._weight_bytes = loaded.weight_bytes  # summed once: the snapshots repeat it
