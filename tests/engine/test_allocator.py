@@ -1,5 +1,5 @@
-"""engine.allocator: free pages inside glibc's heap, and the code only loading ran, go back to
-the system."""
+"""engine.allocator: free pages inside glibc's heap, and the pages of the shared libraries'
+code, go back to the system."""
 
 from __future__ import annotations
 
