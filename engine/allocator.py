@@ -29,27 +29,8 @@ _MADV_DONTNEED = 4
 
 
 @functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None)  # the C library this process already runs on
-    except OSError:
-        return None
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return None  # musl and others: their own policies
-    return libc
-
-
-def release_free_memory() -> bool:
-    """Give the wholly free pages inside the heap back to the system (glibc's
-    ``malloc_trim``). True when some were released."""
-    libc = _glibc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
-
-
-@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library this process already runs on (Linux), ``madvise`` typed."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -59,6 +40,19 @@ def _libc() -> ctypes.CDLL | None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
     return libc
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """:func:`_libc` where it is glibc (musl and others: their own heap policies)."""
+    libc = _libc()
+    return libc if libc is not None and hasattr(libc, "gnu_get_libc_version") else None
+
+
+def release_free_memory() -> bool:
+    """Give the wholly free pages inside the heap back to the system (glibc's
+    ``malloc_trim``). True when some were released."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 def library_code_ranges(smaps: Iterable[str]) -> list[tuple[int, int, int]]:

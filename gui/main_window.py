@@ -50,7 +50,6 @@ from PySide6.QtWidgets import (
 from engine.cache.disk_tier import DiskTierStats
 from engine.device import device_memory, resolve_or_cpu
 from engine.engine import EngineSnapshot
-from engine.hub.fit import runtime_overhead_bytes
 from engine.units import format_bytes
 from gui.bridge import EngineBridge, ModelInfo, ServerInfo
 from gui.chat.controller import ChatController
@@ -649,7 +648,7 @@ class MainWindow(QMainWindow):
                     info.batch_copy_bytes,
                     snapshot.cache_bytes,
                     snapshot.host_bytes,
-                    runtime_overhead_bytes(info.vocab_size),
+                    info.vocab_size,
                 )
                 + "\n\nIn use: pages running replies hold. Reclaimable: pages of earlier"
                 " prompts, kept so a chat that repeats them skips their prefill; a reply"

@@ -104,5 +104,4 @@ def warm_up(
     cache = KVCache.for_model(loaded, scratch, calibration)
     with torch.inference_mode():
         SequenceRunner(loaded, cache, [0]).step()
-    del cache
     allocator.release_library_code()

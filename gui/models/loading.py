@@ -171,14 +171,13 @@ def process_memory_tip(
     batch_copy_bytes: int,
     kv_bytes: int,
     host_bytes: int,
-    runtime_bytes: int | None = None,
+    vocab_size: int | None = None,
 ) -> str:
-    """Why the process takes the memory it does: the status bar figure's tooltip.
-    ``runtime_bytes``: `engine.hub.fit.runtime_overhead_bytes` of the model's vocabulary
-    (a typical one's when None)."""
+    """Why the process takes the memory it does: the status bar figure's tooltip; the
+    runtime's part priced for the model's ``vocab_size`` (engine/hub/fit.py)."""
     from engine.hub.fit import runtime_overhead_bytes
 
-    runtime = runtime_bytes if runtime_bytes is not None else runtime_overhead_bytes()
+    runtime = runtime_overhead_bytes(vocab_size)
 
     def size(n: int) -> str:
         return format_bytes(n, binary=True)
