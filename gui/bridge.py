@@ -95,6 +95,12 @@ def describe_remote(remote: RemoteEngine, seconds: float) -> ModelInfo:
     )
 
 
+# How far the progress bar is once the file is loaded; the engine's start reports
+# ENGINE_START_FRACTION, and the bar is full when it is up (`engine_ready`)
+LOADED_FRACTION = 0.95
+ENGINE_START_FRACTION = 0.97
+
+
 def describe_model(loaded: LoadedModel, device_note: str = "") -> ModelInfo:
     # The quant type most tensors use names the file ("Q4_1"); norms stay F32.
     quantized = {k: v for k, v in loaded.quant_types.items() if k not in ("F32", "F16", "BF16")}
@@ -337,7 +343,9 @@ class EngineBridge(QObject):
             loaded = load_model(
                 path,
                 weight_mode=mode,
-                progress=lambda f, what: self.load_progress.emit(f, what),
+                # the file's part up to LOADED_FRACTION: the engine's start (its warm-up,
+                # a minute when the kernels compile, then its cache) is the rest
+                progress=lambda f, what: self.load_progress.emit(LOADED_FRACTION * f, what),
                 device=resolved,
             )
             _mark_used(path)
@@ -377,7 +385,7 @@ class EngineBridge(QObject):
         cache_settings = cache_settings or self.cache_settings
         generator_settings = generator_settings or self.generator_settings
         generator_settings.validate(cache_settings.page_size)
-        self.load_progress.emit(0.97, "allocating the KV cache")  # and the warm-up
+        self.load_progress.emit(ENGINE_START_FRACTION, "allocating the KV cache")  # and warm-up
         engine = Engine(loaded, cache_settings, generator_settings)
         if self._stop_old_engine():
             # The old cache has written its pages and let go of the disk store's writer

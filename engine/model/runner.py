@@ -9,6 +9,7 @@ bench and the tests of the forward pass use it; generation goes through
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -75,11 +76,20 @@ class SequenceRunner:
 
 
 WARM_UP_PAGE = 16  # the smallest page CacheSettings allows
+# A one-token warm-up longer than this compiled the kernels rather than loading them (a
+# first start after an install or an update: numba's cache is keyed on the package's
+# source): 15-25 s on a 2-core machine, where loading them takes 0.25-0.5 s
+COMPILED_S = 3.0
+# and then a prompt in two steps compiles what prompts and batches run too: a short one
+# (the decode kernels over several rows, their drivers over numba's threads) and one
+# past their DECODE_MAX_ROWS rows (the prompt path), which first prompts at the 1B shape
+# otherwise waited for: 40 tokens 21 s, 20 tokens (after the long one compiled) 3.5 s
+PROMPT_WARM_UP_STEPS = (16, 40)
 
 
 def warm_up(
     loaded: LoadedModel, settings: CacheSettings, calibration: KeyCalibration | None = None
-) -> None:
+) -> float:
     """Run one token through the model on a scratch one-page cache of ``settings``' K/V
     format (no tiers): a process's first forward loads numba's typing context and every
     kernel the model's weight and K/V types use, about 0.25 s on a 2-core machine, which
@@ -89,19 +99,40 @@ def warm_up(
     leaves the resident set, to come back as it runs again
     (`engine.allocator.release_library_code`: what only loading ran stays out, 120 MiB at
     the Llama-3.2-1B shape): call it before allocating the model's cache, or the peak RSS
-    holds both.
+    holds both. Returns the seconds it took.
 
     A prompt's kernels (a few more, 40-60 ms to load) are left to the first prompt: a
-    16-token forward loading them took 0.17 s at the 1B shape and 0.6 s at the 7B one."""
+    16-token forward loading them took 0.17 s at the 1B shape and 0.6 s at the 7B one.
+    Unless the one token took longer than COMPILED_S: the kernels were compiled then, not
+    loaded, and so would the prompts' be (about 25 s at the 1B shape), so a prompt in the
+    steps of PROMPT_WARM_UP_STEPS compiles them now, while the app says it is warming up,
+    instead of in the first reply."""
+    start = time.perf_counter()
+    _warm_forward(loaded, settings, calibration, [0], [1])
+    steps = PROMPT_WARM_UP_STEPS
+    if (
+        time.perf_counter() - start > COMPILED_S
+        and sum(steps) <= loaded.config.max_position_embeddings
+    ):
+        prompt = [i % loaded.config.vocab_size for i in range(sum(steps))]
+        _warm_forward(loaded, settings, calibration, prompt, steps)
+    allocator.release_library_code()
+    return time.perf_counter() - start
+
+
+def _warm_forward(loaded, settings, calibration, tokens: list[int], steps) -> None:
+    """``tokens`` through the model, ``steps`` tokens a forward, on a scratch cache just
+    large enough in pages of WARM_UP_PAGE, of ``settings``' K/V format."""
     scratch = dataclasses.replace(
         settings,
         page_size=WARM_UP_PAGE,
-        token_budget=WARM_UP_PAGE,
+        token_budget=max(1, -(-len(tokens) // WARM_UP_PAGE)) * WARM_UP_PAGE,
         byte_budget=None,
         host_bytes=0,
         disk_dir=None,
     )
     cache = KVCache.for_model(loaded, scratch, calibration)
+    runner = SequenceRunner(loaded, cache, tokens)
     with torch.inference_mode():
-        SequenceRunner(loaded, cache, [0]).step()
-    allocator.release_library_code()
+        for count in steps:
+            runner.step(count)

@@ -30,9 +30,16 @@ from engine.units import format_bytes
 ETA_AFTER_S = 1.0  # too early, the first layer's pace says little about the rest
 ETA_AFTER_FRACTION = 0.05
 _LAYER = re.compile(r"layer (\d+)/(\d+)(, .+)?")  # and what the layers' step does, if said
+# steps whose length the pace so far says nothing about (no "about N s left")
+UNPACED = {"allocating the KV cache"}
 STEPS = {
     "tokenizer": "reading the tokenizer",
-    "allocating the KV cache": "allocating the KV cache and loading the kernels",
+    # the engine's start: its warm-up, then its cache (the warm-up compiles the kernels
+    # when numba's cache has none for this version: engine.model.runner.COMPILED_S)
+    "allocating the KV cache": (
+        "loading the kernels (compiled once after an install or update: up to a minute)"
+        " and allocating the KV cache"
+    ),
     "bf16 copies for batched decode": "making bf16 copies for batches",
     "ready": "starting the engine",
 }
@@ -50,10 +57,12 @@ class LoadProgress:
         self.start = clock()
         self.fraction = 0.0
         self.step = "opening the file"
+        self.paced = True
 
     def update(self, fraction: float, what: str) -> str:
-        # Never backwards: the engine's start reports 0.97 after the loader's 1.0.
+        # Never backwards, whatever order the reports arrive in.
         self.fraction = min(max(float(fraction), self.fraction), 1.0)
+        self.paced = what not in UNPACED
         layer = _LAYER.fullmatch(what.strip())
         if layer:
             self.step = f"layer {layer[1]} of {layer[2]}{layer[3] or ''}"
@@ -66,6 +75,8 @@ class LoadProgress:
         """Extrapolated from the pace so far; None until there is a pace to go by."""
         elapsed = self.clock() - self.start
         if self.fraction < ETA_AFTER_FRACTION or elapsed < ETA_AFTER_S or self.fraction >= 1:
+            return None
+        if not self.paced:
             return None
         return elapsed * (1 - self.fraction) / self.fraction
 

@@ -15,6 +15,7 @@ from engine.engine import Engine
 from engine.generator.generator import GeneratorSettings
 from engine.generator.job import EventKind, JobRequest
 from engine.generator.sampler import SamplingSettings
+from kernels.quant.matmul import DECODE_MAX_ROWS
 
 GREEDY = SamplingSettings(temperature=0)
 SYSTEM = "You are a helpful assistant who answers briefly and plainly, in one sentence only."
@@ -407,6 +408,7 @@ def test_the_engine_warms_its_kernels_up_on_a_scratch_cache(tiny, monkeypatch):
     """Starting an engine runs one token through the model (a process's first forward
     loads its kernels) on a one-page cache of the engine's K/V format, not on the
     engine's own cache, which starts empty."""
+    import engine.model.runner as runner
     from engine.model.transformer import Transformer
 
     seen = []
@@ -417,6 +419,8 @@ def test_the_engine_warms_its_kernels_up_on_a_scratch_cache(tiny, monkeypatch):
         return real(self, tokens, batch, cache)
 
     monkeypatch.setattr(Transformer, "forward", forward)
+    # kernels loaded, not compiled (a cold numba cache adds a prompt: the test below)
+    monkeypatch.setattr(runner, "COMPILED_S", 1e9)
     engine = Engine(tiny, CacheSettings(page_size=64, token_budget=1024, v_bits=4))
     ((tokens, scratch),) = seen
     assert tokens == [0] and scratch is not engine.cache
@@ -426,6 +430,38 @@ def test_the_engine_warms_its_kernels_up_on_a_scratch_cache(tiny, monkeypatch):
     assert engine.warm_up_error == ""
     stats = engine.cache.pages.stats()
     assert stats.pages_cached == 0 and engine.cache.pages.counters.prefix_query_tokens == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_warm_up_that_compiled_the_kernels_runs_a_prompt_too(tiny, monkeypatch, compiled):
+    """A one-token warm-up longer than COMPILED_S compiled the kernels (a first start
+    after an install or update), so the prompts' would compile in the first reply: the
+    warm-up then runs a prompt as well, in a short step and one past the decode
+    kernels' rows, on a scratch cache of its own; a warm-up that only loaded them runs
+    the one token."""
+    import engine.model.runner as runner
+    from engine.model.transformer import Transformer
+
+    seen = []
+    real = Transformer.forward
+
+    def forward(self, tokens, batch, cache):
+        seen.append((tokens.numel(), cache.num_pages * cache.page_size))
+        return real(self, tokens, batch, cache)
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    monkeypatch.setattr(runner, "COMPILED_S", -1.0 if compiled else 1e9)
+    engine = Engine(tiny, CacheSettings(page_size=64, token_budget=1024))
+    assert engine.warm_up_error == ""
+    if not compiled:
+        assert seen == [(1, runner.WARM_UP_PAGE)]
+        return
+    short, long = runner.PROMPT_WARM_UP_STEPS
+    assert seen[0] == (1, runner.WARM_UP_PAGE) and len(seen) == 3
+    (first, capacity), (second, same) = seen[1:]
+    assert (first, second) == (short, long) and capacity == same >= short + long
+    assert 1 < short <= DECODE_MAX_ROWS < long  # a batch's rows, then the prompt path
+    assert engine.cache.pages.stats().pages_cached == 0  # the engine's own cache untouched
 
 
 def test_a_warm_up_that_fails_leaves_the_engine_serving(tiny, monkeypatch):
@@ -463,5 +499,6 @@ def test_library_code_leaves_after_the_warm_up_and_before_the_cache(tiny, monkey
     monkeypatch.setattr(Transformer, "forward", forward)
     monkeypatch.setattr(runner.allocator, "release_library_code", lambda: order.append("release"))
     monkeypatch.setattr(KVCache, "for_model", staticmethod(for_model))
+    monkeypatch.setattr(runner, "COMPILED_S", 1e9)  # loaded, not compiled: one forward
     Engine(tiny, CacheSettings(page_size=64, token_budget=1024))
     assert order == ["cache of 16 tokens", "forward", "release", "cache of 1024 tokens"]

@@ -46,6 +46,10 @@ def test_load_progress_says_the_step_and_the_seconds_left():
     assert text == "Loading SmolLM2: layer 12 of 30 · 40% · about 6 s left"
     now[0] += 5.0
     assert progress.update(0.95, "tokenizer").startswith("Loading SmolLM2: reading the tokenizer")
+    # the engine's start (its warm-up compiles the kernels on a first start after an
+    # install or update): no pace to go by, so no seconds left, and it says why it may last
+    text = progress.update(0.97, "allocating the KV cache")
+    assert "loading the kernels" in text and "up to a minute" in text and "left" not in text
     assert progress.update(1.0, "ready").endswith("· 100%")
 
 
@@ -120,6 +124,10 @@ def test_picker_lists_local_models_with_fit_and_switches(qtbot, tmp_path, models
     window.bridge.load_progress.connect(lambda *_: progress.append(window.load_status.label.text()))
     load(qtbot, window, first)
     assert any("layer" in line and " of " in line for line in progress), progress
+    # the engine's start (its warm-up: a minute when the kernels compile) comes after the
+    # file's 95%, and says so; the bar is full only when the engine is up
+    assert any("loading the kernels" in line and "97%" in line for line in progress), progress
+    assert not any(line.endswith("100%") for line in progress), progress
     picker = window.model_picker
     picker_ready(qtbot, window)
     listed = {str(m.path) for m in list_local_models()}
