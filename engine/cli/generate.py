@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.cache.kv_cache import DEFAULT_PAGE_SIZE, CacheSettings
 from engine.cli.cache import disk_cache_settings
+from engine.cli.notes import slow_start_note
 from engine.engine import Engine
 from engine.generator.job import EventKind, JobRequest, JobResult
 from engine.generator.sampler import SamplingSettings
@@ -43,7 +44,9 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     streamed = False
     cache = _cache_for(len(prompt_ids), request.max_new_tokens, disk_cache_settings(args))
-    with Engine(loaded, cache) as engine:
+    with slow_start_note():
+        engine = Engine(loaded, cache)
+    with engine:
         handle = engine.submit(request)
         for event in handle.events():
             if not args.json and event.kind is EventKind.STREAMING and event.text:

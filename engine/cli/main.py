@@ -399,6 +399,7 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
 def _chat(args: argparse.Namespace) -> int:
     from engine.cli.chat import run_chat
     from engine.cli.generate import check_text, request_settings
+    from engine.cli.notes import slow_start_note
     from engine.engine import Engine
     from engine.model.loader import load_model
 
@@ -416,7 +417,9 @@ def _chat(args: argparse.Namespace) -> int:
     # A template that cannot render fails every turn: say so now, once, and exit.
     probe = [{"role": "system", "content": args.system}] if args.system else []
     loaded.tokenizer.encode_chat([*probe, {"role": "user", "content": "Hello."}])
-    with Engine(loaded, _cache_settings(args, loaded)) as engine:
+    with slow_start_note():
+        engine = Engine(loaded, _cache_settings(args, loaded))
+    with engine:
         pages = engine.cache.pages
         print(
             f"{loaded.path.name}: {loaded.config.arch}, cache {pages.num_pages * pages.page_size} "

@@ -95,6 +95,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; bad settings raise ValueError naming the option."""
     from engine.cli.cache import disk_cache_settings
+    from engine.cli.notes import slow_start_note
     from engine.engine import Engine
     from engine.model.loader import load_model
     from engine.server.app import serve
@@ -138,7 +139,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.kv_events_replay and not args.kv_events:
         raise ValueError("--kv-events-replay needs --kv-events")
     publisher = None
-    with Engine(loaded, cache, generator) as engine:
+    with slow_start_note():
+        engine = Engine(loaded, cache, generator)
+    with engine:
         if args.kv_events:
             from engine.server.kv_events import publish_engine_events, warn_if_exposed
 

@@ -94,3 +94,29 @@ def test_generate_gives_the_text_of_an_app_job_with_the_same_seed(smollm2_path, 
     assert cli["text"] == streamed == app.text and cli["text"].strip()
     assert cli["token_ids"] == app.token_ids[0] and cli["eos_reason"] == app.eos_reason
     assert cli["prompt_tokens"] == app.prompt_tokens
+
+
+def test_a_slow_engine_start_says_why_once_and_a_quick_one_says_nothing():
+    """`folio chat`, `generate` and `serve` start their engine inside slow_start_note: a
+    start still running after its threshold (the warm-up compiling the kernels, a first
+    start after an install or update) prints one line saying so; one that ends first
+    prints nothing, even after the threshold has passed."""
+    import io
+    import time
+
+    from engine.cli.notes import SLOW_START, slow_start_note
+
+    slow = io.StringIO()
+    with slow_start_note(slow, after_s=0.05):
+        deadline = time.monotonic() + 10
+        while not slow.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # no second line
+    assert slow.getvalue() == SLOW_START + "\n"
+    assert "compiles" in SLOW_START and "install or an update" in SLOW_START
+
+    quick = io.StringIO()
+    with slow_start_note(quick, after_s=0.2):
+        pass
+    time.sleep(0.4)
+    assert quick.getvalue() == ""

@@ -1,0 +1,32 @@
+"""What the command line says while something takes longer than a user would expect."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TextIO
+
+from engine.model.runner import COMPILED_S
+
+SLOW_START = (
+    "Warming up the kernels: the first start after an install or an update compiles them"
+    " for this CPU (up to a minute; later starts take a second) ..."
+)
+
+
+@contextlib.contextmanager
+def slow_start_note(stream: TextIO | None = None, after_s: float = COMPILED_S) -> Iterator[None]:
+    """Around an engine's start: if it is still starting after ``after_s`` seconds (its
+    warm-up is compiling the kernels, engine.model.runner.warm_up), say so once on
+    ``stream`` (stderr), so that a first ``folio chat`` or ``folio serve`` does not sit
+    silent for a minute; a start that loads cached kernels says nothing."""
+    out = stream if stream is not None else sys.stderr
+    timer = threading.Timer(after_s, lambda: print(SLOW_START, file=out, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
