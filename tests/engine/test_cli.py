@@ -17,16 +17,40 @@ pytestmark = pytest.mark.slow
 
 
 def test_generate_json_contract(smollm2_path, smollm2_int4, capsys):
-    code = main(["generate", "Name a colour.", "--model", str(smollm2_path), "--max-new-tokens", "12",
-                 "--temperature", "0", "--json"])
+    code = main(
+        [
+            "generate",
+            "Name a colour.",
+            "--model",
+            str(smollm2_path),
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("text", "token_ids", "prompt_tokens", "cached_tokens", "new_tokens", "eos_reason",
-                "time_prefill", "time_generate", "prefill_tokens_per_s", "decode_tokens_per_s",
-                "load_seconds", "model"):
+    for key in (
+        "text",
+        "token_ids",
+        "prompt_tokens",
+        "cached_tokens",
+        "new_tokens",
+        "eos_reason",
+        "time_prefill",
+        "time_generate",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "load_seconds",
+        "model",
+    ):
         assert key in out, key
     tok = smollm2_int4.tokenizer
-    assert out["prompt_tokens"] == len(tok.encode_chat([{"role": "user", "content": "Name a colour."}]))
+    assert out["prompt_tokens"] == len(
+        tok.encode_chat([{"role": "user", "content": "Name a colour."}])
+    )
     assert out["new_tokens"] == len(out["token_ids"]) <= 12
     assert out["cached_tokens"] == 0
     if out["eos_reason"] == "stop_token":
@@ -37,8 +61,18 @@ def test_generate_json_contract(smollm2_path, smollm2_int4, capsys):
 
 
 def test_generate_streams_text_and_is_reproducible(smollm2_path, capsys):
-    args = ["generate", "Tell me a fact about owls.", "--model", str(smollm2_path), "--max-new-tokens", "16",
-            "--temperature", "0.8", "--seed", "7"]
+    args = [
+        "generate",
+        "Tell me a fact about owls.",
+        "--model",
+        str(smollm2_path),
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert main(args) == 0
@@ -48,7 +82,17 @@ def test_generate_streams_text_and_is_reproducible(smollm2_path, capsys):
 
 
 def test_greedy_temperature_zero_is_deterministic(smollm2_path, capsys):
-    args = ["generate", "Count to five.", "--model", str(smollm2_path), "--max-new-tokens", "10", "--temperature", "0", "--json"]
+    args = [
+        "generate",
+        "Count to five.",
+        "--model",
+        str(smollm2_path),
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0",
+        "--json",
+    ]
     main(args)
     a = json.loads(capsys.readouterr().out)["token_ids"]
     main([*args, "--seed", "123"])
@@ -69,7 +113,9 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
 def test_prompt_longer_than_context(smollm2_int4):
     limit = smollm2_int4.config.max_position_embeddings
     engine = Engine(smollm2_int4, CacheSettings(page_size=16, token_budget=64))
-    with pytest.raises(ValueError, match=f"{limit + 5} tokens but the model's context holds {limit}"):
+    with pytest.raises(
+        ValueError, match=f"{limit + 5} tokens but the model's context holds {limit}"
+    ):
         engine.submit(JobRequest(prompt=[1] * (limit + 5), max_new_tokens=4))
 
 
@@ -78,8 +124,24 @@ def test_generate_gives_the_text_of_an_app_job_with_the_same_seed(smollm2_path, 
     an Engine as the app submits it, with the same sampling settings, streams the same
     text and ends for the same reason."""
     prompt, seed = "Tell me a fact about owls.", 7
-    assert main(["generate", prompt, "--model", str(smollm2_path), "--max-new-tokens", "24",
-                 "--temperature", "0.8", "--seed", str(seed), "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                prompt,
+                "--model",
+                str(smollm2_path),
+                "--max-new-tokens",
+                "24",
+                "--temperature",
+                "0.8",
+                "--seed",
+                str(seed),
+                "--json",
+            ]
+        )
+        == 0
+    )
     cli = json.loads(capsys.readouterr().out)
     loaded = load_model(smollm2_path, batched_weights="off")  # as `folio generate` loads it
     request = JobRequest(
@@ -89,7 +151,9 @@ def test_generate_gives_the_text_of_an_app_job_with_the_same_seed(smollm2_path, 
     )
     with Engine(loaded, CacheSettings(token_budget=1024)) as engine:  # the app's page size
         handle = engine.submit(request)
-        streamed = "".join(e.text for e in handle.events(timeout=120) if e.kind is EventKind.STREAMING)
+        streamed = "".join(
+            e.text for e in handle.events(timeout=120) if e.kind is EventKind.STREAMING
+        )
     app = handle.result
     assert cli["text"] == streamed == app.text and cli["text"].strip()
     assert cli["token_ids"] == app.token_ids[0] and cli["eos_reason"] == app.eos_reason
@@ -120,3 +184,29 @@ def test_a_slow_engine_start_says_why_once_and_a_quick_one_says_nothing():
         pass
     time.sleep(0.4)
     assert quick.getvalue() == ""
+
+
+def test_the_slow_start_note_goes_to_a_terminal_only(capsys, monkeypatch):
+    """By default the note is for a person at a terminal: stderr read by a script or a
+    log (here pytest's capture) gets nothing, however long the start."""
+    import io
+    import sys
+    import time
+
+    from engine.cli.notes import SLOW_START, slow_start_note
+
+    with slow_start_note(after_s=0.01):
+        time.sleep(0.2)
+    assert capsys.readouterr().err == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with slow_start_note(after_s=0.01):
+        deadline = time.monotonic() + 10
+        while not terminal.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert terminal.getvalue() == SLOW_START + "\n"
