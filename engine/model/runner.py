@@ -89,7 +89,7 @@ PROMPT_WARM_UP_STEPS = (16, 40)
 
 def warm_up(
     loaded: LoadedModel, settings: CacheSettings, calibration: KeyCalibration | None = None
-) -> float:
+) -> None:
     """Run one token through the model on a scratch one-page cache of ``settings``' K/V
     format (no tiers): a process's first forward loads numba's typing context and every
     kernel the model's weight and K/V types use, about 0.25 s on a 2-core machine, which
@@ -99,7 +99,7 @@ def warm_up(
     leaves the resident set, to come back as it runs again
     (`engine.allocator.release_library_code`: what only loading ran stays out, 120 MiB at
     the Llama-3.2-1B shape): call it before allocating the model's cache, or the peak RSS
-    holds both. Returns the seconds it took.
+    holds both.
 
     A prompt's kernels (a few more, 40-60 ms to load) are left to the first prompt: a
     16-token forward loading them took 0.17 s at the 1B shape and 0.6 s at the 7B one.
@@ -117,7 +117,6 @@ def warm_up(
         prompt = [i % loaded.config.vocab_size for i in range(sum(steps))]
         _warm_forward(loaded, settings, calibration, prompt, steps)
     allocator.release_library_code()
-    return time.perf_counter() - start
 
 
 def _warm_forward(loaded, settings, calibration, tokens: list[int], steps) -> None:
@@ -126,7 +125,7 @@ def _warm_forward(loaded, settings, calibration, tokens: list[int], steps) -> No
     scratch = dataclasses.replace(
         settings,
         page_size=WARM_UP_PAGE,
-        token_budget=max(1, -(-len(tokens) // WARM_UP_PAGE)) * WARM_UP_PAGE,
+        token_budget=-(-len(tokens) // WARM_UP_PAGE) * WARM_UP_PAGE,
         byte_budget=None,
         host_bytes=0,
         disk_dir=None,
