@@ -154,6 +154,9 @@ def _quantize_k_row(x, b, levels, q, d, bsum16, bsum32, pair16):
     row = b + batch
     x_at, q_at, s_at = x[b].ctypes.data, q[b].ctypes.data, bsum16[b].ctypes.data
     d_at = d[b].ctypes.data
+    # the second level's rows (B + b) exist only with two levels
+    r_at = q[row].ctypes.data if levels == 2 else 0
+    rs_at = bsum16[row].ctypes.data if levels == 2 else 0
     for blk in range(k // SUPER_BLOCK):
         e0 = SUPER_BLOCK * blk
         quantize256(x_at + 4 * e0, q_at + e0, d_at + 4 * blk)
@@ -162,9 +165,9 @@ def _quantize_k_row(x, b, levels, q, d, bsum16, bsum32, pair16):
             # |rest| <= scale / 2, so codes at scale / 256 reach 128 at most: 127
             scale = d[b, blk]
             inv = np.float32(256.0) / scale if scale > 0 else np.float32(0.0)
-            residual256(x_at + 4 * e0, q_at + e0, scale, inv, q[row].ctypes.data + e0)
+            residual256(x_at + 4 * e0, q_at + e0, scale, inv, r_at + e0)
             d[row, blk] = scale / np.float32(256.0)
-            sums16(q[row].ctypes.data + e0, bsum16[row].ctypes.data + 4 * (e0 // 16))
+            sums16(r_at + e0, rs_at + 4 * (e0 // 16))
     for level in range(levels):
         r = b + level * batch
         for s in range(k // 32):
