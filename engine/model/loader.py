@@ -411,10 +411,12 @@ def _kernels(weight_mode: str) -> str:
     """What else decides the K/V bits of native weights: k-quants as tiles on this CPU
     (kernels/quant/tiles.py) compute other last bits than the file-block kernels, and
     Q6_K tiles others again where AMX serves them (their scales in integers), so pages
-    cached on disk before (or on a CPU without them) are not reused with them."""
+    cached on disk before (or on a CPU without them) are not reused with them; with
+    tiles, a prompt's norms and gates are the decode step's (``BlockLinear.fuses``:
+    ``pn``), since 2026-12-06."""
     if weight_mode != "native" or not tiles_supported("Q4_K"):
         return ""
-    return f":{TILES_FORMAT}:q4k-l16" + (":q6k-int" if Q6_K_INTEGER else "")
+    return f":{TILES_FORMAT}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "")
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

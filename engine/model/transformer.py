@@ -575,8 +575,9 @@ class Transformer:
     def _mlp(self, layer: Layer, x: torch.Tensor, h: torch.Tensor, bf16: bool) -> torch.Tensor:
         """The MLP of ``x`` plus ``h`` (added in place). A long prompt over super-block
         weights goes MLP_ROWS rows at a time (no chunk of DECODE_MAX_ROWS rows or fewer,
-        which would take the decode path's fused norm): the same values, and its
-        ``[T, 2 * intermediate]`` products stop setting the peak RSS of a prefill
+        which would take the decode path's fused norm where the weights are not all in
+        tiles; in tiles every row count takes it, `BlockLinear.fuses`): the same values,
+        and its ``[T, 2 * intermediate]`` products stop setting the peak RSS of a prefill
         (512 tokens at the 1B shape: 64 MB of them)."""
         cfg = self.config
         t = x.shape[0]

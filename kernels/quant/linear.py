@@ -148,6 +148,7 @@ class BlockLinear(PartsLinear):
         "_take",
         "_bias",
         "_lanes",
+        "_tiled",
     )
 
     def __init__(
@@ -183,6 +184,8 @@ class BlockLinear(PartsLinear):
         )
         self._groups = _decode_groups(self.parts, repack)
         self._lanes = any(_in_lanes(g) for g in self._groups)
+        # every part in tiles: one kernel at every row count (see `fuses`)
+        self._tiled = all(g.tiles is not None for g in self._groups)
         self.batched = None  # no bf16 copies: the point is to keep only the file's bytes
 
     def __call__(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
@@ -219,13 +222,16 @@ class BlockLinear(PartsLinear):
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
         few enough for the decode kernels and not for the lane kernel (the row count and
-        :func:`prompt_rows` decide, as in ``__call__``)."""
-        return (
-            x.dtype == torch.float32
-            and x.dim() == 2
-            and x.shape[0] <= DECODE_MAX_ROWS
-            and not self.takes_lanes(x.shape[0])
-        )
+        :func:`prompt_rows` decide, as in ``__call__``), or any number of them where every
+        part is in tiles. Tiles multiply a forward's rows alike at any count, so there a
+        prompt's norm and gate are the decode step's too, and a prompt's row has the same
+        bits however the prompt is split into forwards (a prefix found in the cache, the
+        rest computed). At 128 rows the fused norm takes 0.11 ms where torch's and the
+        quantization take 0.15, the fused SiLU gate 0.76 where torch's 0.58 (1B shape):
+        a 512-token prefill the same speed either way."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return False
+        return self._tiled or (x.shape[0] <= DECODE_MAX_ROWS and not self.takes_lanes(x.shape[0]))
 
     @property
     def has_lanes(self) -> bool:
@@ -255,9 +261,10 @@ class BlockLinear(PartsLinear):
         quantization in one numba call."""
         return torch.from_numpy(self.gated_rows(gate_up.numpy(), gelu))
 
-    # The same on numpy rows (float32 ``[T, K]``, T at most DECODE_MAX_ROWS), numpy out: a
-    # decode step on the CPU runs its layers so (``Transformer.forward``), each torch op
-    # or conversion costing about a microsecond of dispatch on vectors this small.
+    # The same on numpy rows (float32 ``[T, K]``, T at most DECODE_MAX_ROWS unless every
+    # part is in tiles), numpy out: a decode step on the CPU runs its layers so
+    # (``Transformer.forward``), each torch op or conversion costing about a microsecond
+    # of dispatch on vectors this small.
 
     def rows(self, x: np.ndarray) -> np.ndarray:
         """``self(x)``."""
@@ -271,13 +278,34 @@ class BlockLinear(PartsLinear):
         residual: np.ndarray | None = None,
     ) -> np.ndarray:
         """:meth:`normed`."""
-        act = prepared_activations(x, RMS_NORM, self._per32, weight, eps, residual)
-        return self._finish(self._decode(act.source, act))
+        return self._prepared_rows(x, RMS_NORM, weight, eps, residual)
 
     def gated_rows(self, gate_up: np.ndarray, gelu: bool) -> np.ndarray:
         """:meth:`gated`."""
-        act = prepared_activations(gate_up, GELU_TANH_GATE if gelu else SILU_GATE, self._per32)
-        return self._finish(self._decode(act.source, act))
+        return self._prepared_rows(gate_up, GELU_TANH_GATE if gelu else SILU_GATE)
+
+    def _prepared_rows(
+        self,
+        x: np.ndarray,
+        op: int,
+        weight: np.ndarray | None = None,
+        eps: float = 0.0,
+        residual: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The product of :func:`prepared_activations` of ``x``; more rows than a decode
+        call takes (a prompt's, in tiles) :data:`LANE_PROMPT_ROWS` a call, as
+        :meth:`_matmul` quantizes them, so that their activations stay in L2."""
+        rows = x.shape[0]
+        if rows <= DECODE_MAX_ROWS:
+            act = prepared_activations(x, op, self._per32, weight, eps, residual)
+            return self._finish(self._decode(act.source, act))
+        out = np.empty((rows, self.out_features), np.float32)
+        for i in range(0, rows, LANE_PROMPT_ROWS):
+            part = slice(i, i + LANE_PROMPT_ROWS)
+            res = None if residual is None else residual[part]
+            act = prepared_activations(x[part], op, self._per32, weight, eps, res)
+            self._decode(act.source, act, out=out[part])
+        return self._finish(out)
 
     def _finish(self, y: np.ndarray) -> np.ndarray:
         """The product's columns permuted (``perm``), plus the bias."""

@@ -338,13 +338,18 @@ def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, mon
     prompt = torch.randint(
         0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(8)
     )
-    calls = []
-    call = BlockLinear.__call__
-    monkeypatch.setattr(
-        BlockLinear,
-        "__call__",
-        lambda self, x, bf16=False: calls.append(x.shape[0]) or call(self, x, bf16),
-    )
+    calls = []  # rows of each projection's call (plain, or with its norm or gate fused)
+
+    def counted(name):
+        method = getattr(BlockLinear, name)
+        monkeypatch.setattr(
+            BlockLinear,
+            name,
+            lambda self, x, *args: calls.append(x.shape[0]) or method(self, x, *args),
+        )
+
+    for name in ("__call__", "normed", "gated"):
+        counted(name)
 
     def prefill(rows: int):
         monkeypatch.setattr(transformer_module, "MLP_ROWS", rows)
@@ -363,3 +368,29 @@ def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, mon
         assert min(chunked_calls) > DECODE_MAX_ROWS
     else:
         assert chunked_calls == whole_calls
+
+
+@pytest.mark.skipif(
+    not tiles_supported("Q4_K"),
+    reason="this CPU has no AVX-512 VNNI: k-quants stay in file blocks, and a long "
+    "prompt's norms are torch's (test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits)",
+)
+def test_a_prompt_gives_the_same_bits_however_much_of_it_was_cached(tmp_path):
+    """Q4_K_M in tiles: a prompt's logits (and so its K/V, on float32 pages) do not
+    depend on how it is split into forwards (a prefix found in the cache, the rest
+    computed), since every forward's norms and gates are the decode step's at any row
+    count (before, a forward of more than DECODE_MAX_ROWS rows took torch's norm and
+    gate, and the logits moved by ~5e-3). (Decode steps attend through another kernel,
+    test_paged_attention.py, so token by token is not the same bits.)"""
+    from kernels.quant import DECODE_MAX_ROWS
+
+    model = make_hf_model("llama", seed=14, tie_word_embeddings=False)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=7)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    n = 2 * DECODE_MAX_ROWS + 8
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(8)
+    )
+    whole = _folio_logits(loaded, ids)
+    for chunks in ((48,), (n - DECODE_MAX_ROWS,), (8, 16), (9, 1, 30)):
+        assert torch.equal(_folio_logits(loaded, ids, chunks), whole), chunks

@@ -174,6 +174,42 @@ def test_block_linear_takes_q4_k_as_tiles_for_prompts_and_decode_steps():
     assert (np.abs(prompt[:, :96].numpy() - ref) / scale.max()).max() < 5e-4
 
 
+def test_a_prompts_norm_and_gate_in_tiles_are_the_decode_steps():
+    """Every part in tiles: a prompt's rows (more than one call takes) go through the
+    decode step's fused norm (the residual added in place first) and gate, each row the
+    bits of decoding it alone, and near the torch ops followed by the projection."""
+    import torch.nn.functional as F
+
+    from kernels.quant.linear import LANE_PROMPT_ROWS
+
+    rng = np.random.default_rng(9)
+    raws = [random_blocks(q, n, K, rng) for q, n in ((Q.Q4_K, 32), (Q.Q6_K, 16))]
+    parts = [QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, KINDS)]
+    lin = BlockLinear(parts)
+    gen = torch.Generator().manual_seed(10)
+    rows = LANE_PROMPT_ROWS + 21
+    x = torch.randn(rows, K, generator=gen) * 2
+    residual = torch.randn(rows, K, generator=gen)
+    w = 1 + 0.1 * torch.randn(K, generator=gen)
+    gate_up = torch.randn(rows, 2 * K, generator=gen)
+    assert lin.fuses(x)
+    summed = x + residual
+    with prompt_rows(True):
+        normed = lin.normed(x, w, 1e-6, residual)
+        gated = lin.gated(gate_up, gelu=False)
+        want_normed = lin(F.rms_norm(summed, (K,), w, 1e-6))
+        g, u = gate_up.split(K, dim=-1)
+        want_gated = lin(F.silu(g) * u)
+    assert torch.equal(x, summed)  # the residual added in place, torch's float32 sums
+    with prompt_rows(False):
+        for b in (0, 5, LANE_PROMPT_ROWS - 1, LANE_PROMPT_ROWS, rows - 1):
+            alone = summed[b : b + 1].clone()
+            assert torch.equal(lin.normed(alone, w, 1e-6)[0], normed[b])
+            assert torch.equal(lin.gated(gate_up[b : b + 1], gelu=False)[0], gated[b])
+    for got, want in ((normed, want_normed), (gated, want_gated)):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 def _mapped_pages(a: np.ndarray) -> int:
     """Pages of ``a`` mapped into this process now (/proc/self/pagemap's present bit)."""
     first, last = a.ctypes.data // 4096, (a.ctypes.data + a.nbytes - 1) // 4096
