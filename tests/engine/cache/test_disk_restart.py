@@ -404,7 +404,10 @@ def test_the_disk_tier_keeps_what_the_host_tier_cannot(model_path, tmp_path):
 def test_a_quantized_cache_is_restored_byte_for_byte(model_path, tmp_path):
     """K at 4 bits and V at 8 (codes, scales and zeros in their own tensors): each page is
     read back into every one of its tensors, the same bytes the prefill stored, and the
-    next turn's logits equal a fresh prefill's in that format."""
+    next turn's logits are bit for bit those of a cache that kept the pages in memory,
+    and near a fresh prefill's in that format (which computes those pages' rows in a
+    forward of another length: this model's Q8_0 parts multiply through a GEMM whose
+    last bits depend on the row count, and a 4-bit K code can round the other way)."""
     from engine.model.calibration import calibration_for
 
     loaded = load_model(model_path, load_tokenizer=False)
@@ -420,7 +423,7 @@ def test_a_quantized_cache_is_restored_byte_for_byte(model_path, tmp_path):
         )
         return KVCache.for_model(loaded, settings, calibration_for(loaded, settings))
 
-    earlier = conversation(6 * PS + 1)
+    earlier = conversation(6 * PS)  # whole pages: all of it is read back
     first = cache(disk)
     runner = SequenceRunner(loaded, first, earlier)
     runner.step()
@@ -436,6 +439,13 @@ def test_a_quantized_cache_is_restored_byte_for_byte(model_path, tmp_path):
     assert [again.storage.read_page(p) for p in runner.alloc.block_table[:6]] == written
     restored = runner.step()
     runner.release()
+    kept = cache(None)
+    runner = SequenceRunner(loaded, kept, earlier)
+    runner.step()
+    runner.release()
+    in_memory, cached, disk_pages = _next_logits(loaded, kept, tokens)
+    assert (cached, disk_pages) == (len(earlier), 0)
+    assert torch.equal(restored, in_memory)
     fresh, fresh_cached, _ = _next_logits(loaded, cache(None), tokens)
     assert fresh_cached == 0
-    assert _relative_error(restored, fresh) < 1e-4
+    assert _relative_error(restored, fresh) < 1e-3
