@@ -218,13 +218,25 @@ class TileCache:
 
     # -- the loader's hook -----------------------------------------------------------------
 
-    def key(self, parts: list[np.ndarray], kind_name: str) -> Key | None:
+    def key(
+        self,
+        parts: list[np.ndarray],
+        kind_name: str,
+        orders: list[np.ndarray | None] | None = None,
+    ) -> Key | None:
+        """Where the parts' bytes are in the model file, their type, and the order their
+        rows were tiled in (``orders``: a digest of each part's, when any is given)."""
         where = []
         for p in parts:
             offset = self._offset_of(p)
             if offset is None:
                 return None
             where.append((int(offset), int(p.shape[0]), int(p.shape[1])))
+        if orders is not None and any(o is not None for o in orders):
+            h = hashlib.blake2b(digest_size=8)
+            for o in orders:
+                h.update(b"-" if o is None else np.ascontiguousarray(o, np.int64).tobytes())
+            kind_name = f"{kind_name}/rows-{h.hexdigest()}"
         return (kind_name, tuple(where))
 
     def tiles(
@@ -232,14 +244,16 @@ class TileCache:
         parts: list[np.ndarray],
         kind_name: str,
         release: Callable[[list[np.ndarray]], None] | None = None,
+        orders: list[np.ndarray | None] | None = None,
     ) -> np.ndarray:
-        """The tiles of ``parts`` (:func:`~kernels.quant.tiles.repack_parts`): from the
-        file if it has them, else repacked now (and kept for :meth:`save`)."""
-        key = self.key(parts, kind_name)
+        """The tiles of ``parts`` (:func:`~kernels.quant.tiles.repack_parts`, rows in
+        ``orders``): from the file if it has them, else repacked now (and kept for
+        :meth:`save`)."""
+        key = self.key(parts, kind_name, orders)
         if key is not None and key in self._mapped:
             self.hits += 1
             return self._mapped[key]
-        out = repack_parts(parts, kind_name, release)
+        out = repack_parts(parts, kind_name, release, orders)
         if key is not None and self.budget > 0:
             self._made.append((_Entry(key, out.shape), out))
         return out

@@ -238,13 +238,17 @@ def repack_parts(
     parts: list[np.ndarray],
     kind_name: str = "Q4_K",
     release: Callable[[list[np.ndarray]], None] | None = None,
+    orders: list[np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """Weights of ``kind_name`` (uint8 ``[N_i, row bytes]`` each, the same width) -> one
     uint8 ``[tiles, nblk, record]`` array of their tiles in order (64-byte aligned), each
     part from a new tile (a short last tile padded with zero rows). ``release``, if
     given, is called with the rows of each :data:`REPACK_CHUNK` bytes once repacked (a
     mapped file's pages can then leave the resident set: a large weight's file bytes
-    and its tiles are never resident together)."""
+    and its tiles are never resident together). ``orders`` (per part, None or int64
+    ``[N_i]``): the part's rows taken in that order (llama's q/k rows, which the file
+    holds permuted per head, tiled in the order the model reads them: no permutation
+    of the outputs after each product; the part is then copied once in that order)."""
     code = KBLOCK_CODES[kind_name]
     block, record = KBLOCK_KINDS[code][1], RECORDS[code]
     row_bytes = parts[0].shape[1]
@@ -259,9 +263,10 @@ def repack_parts(
     step = max(1, REPACK_CHUNK // (TILE_ROWS * row_bytes))  # tiles a chunk
     first = 0
     with ThreadPoolExecutor(_REPACK_THREADS) as pool:
-        for p, count in zip(parts, counts):
+        for i, (p, count) in enumerate(zip(parts, counts)):
             dst = out[first : first + count].reshape(-1)
-            src = np.ascontiguousarray(p).reshape(-1)
+            order = None if orders is None else orders[i]
+            src = np.ascontiguousarray(p if order is None else p[order]).reshape(-1)
             for t0 in range(0, count, step):
                 t1 = min(count, t0 + step)
                 threads = min(_REPACK_THREADS, max(1, (t1 - t0) * TILE_ROWS * row_bytes >> 22))

@@ -68,6 +68,27 @@ def test_a_second_load_maps_the_tiles_the_first_repacked(tmp_path):
         assert b.ctypes.data % 64 == 0
 
 
+def test_tiles_of_rows_in_another_order_are_kept_apart(tmp_path):
+    """A weight tiled with its rows in an order (llama's q/k: kernels/quant/linear.py
+    `_row_orders`) is another entry than the same bytes in file order: a cache written
+    before (file order) is not mapped for it, and the next load maps the ordered tiles."""
+    model = _Model(tmp_path / "m.gguf")
+    parts = model.parts[0]
+    orders = [np.random.default_rng(1).permutation(parts[0].shape[0]), None]
+    first = model.cache(tmp_path / "tiles")
+    plain = first.tiles(parts, "Q4_K")
+    first.save(wait=True)
+    second = model.cache(tmp_path / "tiles")
+    ordered = second.tiles(parts, "Q4_K", orders=orders)
+    assert second.hits == 0
+    want = repack_parts([parts[0][orders[0]], parts[1]], "Q4_K")
+    assert np.array_equal(ordered, want) and not np.array_equal(ordered, plain)
+    second.save(wait=True)
+    third = model.cache(tmp_path / "tiles")
+    assert np.array_equal(third.tiles(parts, "Q4_K", orders=orders), want)
+    assert np.array_equal(third.tiles(parts, "Q4_K"), plain) and third.hits == 2
+
+
 def test_a_damaged_tile_file_is_deleted_and_the_weights_repacked(tmp_path):
     model = _Model(tmp_path / "m.gguf")
     cache = model.cache(tmp_path / "tiles")

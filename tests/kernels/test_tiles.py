@@ -174,6 +174,33 @@ def test_block_linear_takes_q4_k_as_tiles_for_prompts_and_decode_steps():
     assert (np.abs(prompt[:, :96].numpy() - ref) / scale.max()).max() < 5e-4
 
 
+def test_an_output_permutation_within_tiled_parts_goes_into_the_tiles():
+    """llama's q/k rows, which the file holds permuted per head: tiled in the order the
+    model reads them, so each output column is the unpermuted product's column, bit for
+    bit, with nothing permuted after the product; the tiles' bytes are what they were.
+    A permutation across parts stays on the products, to the same values."""
+    rng = np.random.default_rng(11)
+    raws = [random_blocks(q, n, K, rng) for q, n in ((Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32))]
+    parts = [
+        QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, (Q.Q4_K, Q.Q4_K, Q.Q6_K))
+    ]
+    gen = torch.Generator().manual_seed(12)
+    # per part (q, k: per head of 16 rows; v untouched), as the loader builds it
+    heads = [torch.randperm(16, generator=gen) + 16 * h for h in range(6)]
+    within = torch.cat([*heads, torch.arange(96, 128)])
+    across = torch.randperm(128, generator=gen)
+    plain = BlockLinear(parts)
+    folded = BlockLinear(parts, perm=within)
+    moved = BlockLinear(parts, perm=across)
+    assert folded.nbytes() == plain.nbytes() == moved.nbytes()
+    x = torch.randn(40, K, generator=gen)
+    for prompt, rows in ((False, 1), (False, 5), (True, 40)):
+        with prompt_rows(prompt):
+            want = plain(x[:rows])
+            assert torch.equal(folded(x[:rows]), want[:, within])
+            assert torch.equal(moved(x[:rows]), want[:, across])
+
+
 def test_a_prompts_norm_and_gate_in_tiles_are_the_decode_steps():
     """Every part in tiles: a prompt's rows (more than one call takes) go through the
     decode step's fused norm (the residual added in place first) and gate, each row the
