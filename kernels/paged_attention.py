@@ -318,7 +318,6 @@ if HAS_NUMBA:
         weighted_rows,
     )
 
-    _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised sums; keep inf/nan rules
     # Unquantized pages come to the kernel as ``bits`` 0 (float32) or 16 (fp16, as the
     # float32 view of their bytes: [P, S, kv_heads, head_dim / 2], the same byte strides;
     # a row is widened into the task's float32 scratch row before its dot products).
@@ -329,7 +328,13 @@ if HAS_NUMBA:
     # shapes, 3,000 tokens, 16 layers' pages cold, 2 threads: 0.95 -> 0.79 ms a layer)
     _SLOTS_AHEAD = 8
 
-    @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+    # No fast-math flags (as kernels/quant/simd.py): with reassociation or contraction
+    # allowed, numba's JIT and its on-disk cache compiled this kernel to other last bits
+    # (measured: a decode step's attention on 256-token pages differed by an ulp between a
+    # process that compiled it and one that loaded it), so the same seed could give
+    # another reply after the kernels were compiled again. The sums that vectorised under
+    # reassociation are four partial sums in a fixed order instead.
+    @numba.njit(cache=True, inline="always")
     def _load_row(data, codes, scales, zeros, asym, half_table, bits, page, slot, head, row):
         """One token's head vector into ``row`` (rotated domain when quantized; ``codes`` is
         the byte view ``[P, S, kv_heads, Gh, 4 * bits]`` of the packed words; ``scales`` and,
@@ -397,7 +402,23 @@ if HAS_NUMBA:
         elif left == 1:
             weighted_rows(acc_at, acc_step, w_at, w_step, v_row, v_step, n, width, 1, half)
 
-    @numba.njit(cache=True, parallel=True, fastmath=_FASTMATH)
+    @numba.njit(cache=True, inline="always")
+    def _sum4(a, first, last):
+        """``a[first:last]`` summed in four partial sums, then ``(s0 + s1) + (s2 + s3)``."""
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        i = first
+        while i + 4 <= last:
+            s0 += a[i]
+            s1 += a[i + 1]
+            s2 += a[i + 2]
+            s3 += a[i + 3]
+            i += 4
+        while i < last:
+            s0 += a[i]
+            i += 1
+        return (s0 + s1) + (s2 + s3)
+
+    @numba.njit(cache=True, parallel=True)
     def _decode_kernel(
         q, scale, tables, seq_lens, window, group, page_size, kd, kc, ks, kz, kasym, kbits,
         vd, vc, vs, vz, vasym, vbits, zq, offset_table, has_offset, half_table, heads_per_task, out,
@@ -470,9 +491,13 @@ if HAS_NUMBA:
                     for slot in range(first, last):
                         key = logical * page_size + slot
                         for j in range(rows):
-                            dot = np.float32(0.0)
-                            for d in range(head_dim):
-                                dot += zq[b, h0 * group + j, d] * offset_table[key, d]
+                            dot = float_dot(
+                                zq.ctypes.data
+                                + (b * zq.strides[0])
+                                + (h0 * group + j) * zq.strides[1],
+                                offset_table.ctypes.data + key * offset_table.strides[0],
+                                head_dim,
+                            )
                             scores[j, slot] += dot
                 for j in range(rows):
                     row_scores = scores.ctypes.data + j * scores.strides[0] + first * 4
@@ -486,8 +511,7 @@ if HAS_NUMBA:
                     # exp as vectorised arithmetic (kernels/quant/fastexp.py): numba's
                     # np.exp calls libm per element, a fifth of the kernel at 3,000 tokens
                     exp_into(shifted[first:], scores[j, first:], bits, last - first)
-                    for slot in range(first, last):
-                        total[j] += scores[j, slot]
+                    total[j] += _sum4(scores[j], first, last)
                     best[j] = new_best
                 if vbits == 0 or vbits == 16:
                     # unquantized values head by head, the page's slots in one call per

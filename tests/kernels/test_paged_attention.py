@@ -23,6 +23,7 @@ from kernels.kvquant import (
 )
 from kernels.layer_kv import LayerKV
 from kernels.paged_attention import (
+    CPU_HALF_PAGES,
     HAS_NUMBA,
     paged_attention,
     paged_attention_reference,
@@ -560,3 +561,35 @@ def test_one_prompt_chunk_matches_contiguous(shape, window):
     token) takes the reference's path without gathers (kernels/paged_attention.py)."""
     case = make_case([shape], 16)
     assert _max_err(case.paged(sliding_window=window), case.reference(window)) < EXACT
+
+
+_DECODE_IN_A_CHILD = """
+import json, sys, torch
+from tests.kernels.test_paged_attention import FP16, asym, make_case
+from kernels.paged_attention import paged_decode_numba
+out = []
+for fmt, kw in ((FP16, {}), (asym(4), {"key_mean": 2.0})):
+    case = make_case([(301, 1), (40, 1)], 256, n_heads=8, kv_heads=2, fmt_k=fmt, fmt_v=FP16,
+                     seed=5, **kw)
+    out.append(case.paged(paged_decode_numba).flatten().view(torch.int32).tolist())
+print(json.dumps({"bits": out}))
+"""
+
+
+@pytest.mark.skipif(not CPU_HALF_PAGES, reason="the numba kernel needs F16C for fp16 pages")
+def test_the_decode_kernel_gives_the_same_bits_compiled_or_from_numbas_cache(tmp_path):
+    """A decode step's attention has the same bits in a process that compiles the kernel
+    (into an empty cache), one that loads it from that cache, and one that compiles it with
+    the cache off: with fast-math reassociation the first differed from the other two in
+    the last bits on 256-token pages, so a seeded reply could change after the kernels
+    were compiled again."""
+    import os
+
+    from tests.child_process import run_json
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    compiled = run_json(_DECODE_IN_A_CHILD, env=env)
+    assert any((tmp_path / "numba").rglob("*.nbi"))  # it wrote the kernel's cache
+    loaded = run_json(_DECODE_IN_A_CHILD, env=env)
+    uncached = run_json(_DECODE_IN_A_CHILD, env={**env, "NUMBA_DISABLE_CACHE": "1"})
+    assert compiled == loaded == uncached
