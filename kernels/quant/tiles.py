@@ -119,8 +119,11 @@ Q6_K_INT = 2
 Q6_K_START = 3
 Q6_K_INTEGER = amx_ready()
 # names this layout and its arithmetic: tiles kept on disk and K/V pages computed with
-# them are reused only under the same (engine/model/tile_cache.py, the fingerprint)
-TILES_FORMAT = "tiles1"
+# them are reused only under the same (engine/model/tile_cache.py, the fingerprint).
+# tiles2: llama's q/k rows in the model's order (linear._row_orders), so a tile file
+# kept before (their rows in the file's order) is not mapped, nor carried into the next
+# file's index, where its stale q/k tiles would be read in at every load
+TILES_FORMAT = "tiles2"
 
 
 def tiles_supported(kind_name: str) -> bool:
