@@ -524,10 +524,7 @@ def _decode_groups(
         tiles = None
         if _in_tiles(run):
             run_orders = [order_of.get(id(p)) for p in run]
-            if any(o is not None for o in run_orders):
-                tiles = repack([p.data for p in run], run[0].kind.name, orders=run_orders)
-            else:
-                tiles = repack([p.data for p in run], run[0].kind.name)
+            tiles = repack([p.data for p in run], run[0].kind.name, orders=run_orders)
         groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table, tiles))
         first += columns
     return groups

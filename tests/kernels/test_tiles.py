@@ -147,14 +147,18 @@ def test_fused_parts_each_start_a_tile():
         first += -(-raw.shape[0] // TILE_ROWS) * TILE_ROWS
 
 
+def _fused_qkv(rng) -> tuple[list[np.ndarray], list[QuantWeight]]:
+    """A q/k/v as a Q4_K_M file has it: Q4_K q (64 rows) and k (32), Q6_K v (32)."""
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    raws = [random_blocks(q, n, K, rng) for q, n in zip(qtypes, (64, 32, 32))]
+    return raws, [QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, qtypes)]
+
+
 def test_block_linear_takes_q4_k_as_tiles_for_prompts_and_decode_steps():
     """A fused q/k/v of Q4_K, Q4_K, Q6_K: each run as tiles, resident as tiles (the
     file's bytes not counted), and a prompt's rows equal to decoding each alone."""
     rng = np.random.default_rng(7)
-    raws = [random_blocks(q, n, K, rng) for q, n in ((Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32))]
-    parts = [
-        QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, (Q.Q4_K, Q.Q4_K, Q.Q6_K))
-    ]
+    raws, parts = _fused_qkv(rng)
     lin = BlockLinear(parts)
     tiled = [g for g in lin._groups if g.tiles is not None]
     assert [len(g.parts) for g in tiled] == [2, 1] and lin.repacked() == parts
@@ -180,10 +184,7 @@ def test_an_output_permutation_within_tiled_parts_goes_into_the_tiles():
     bit, with nothing permuted after the product; the tiles' bytes are what they were.
     A permutation across parts stays on the products, to the same values."""
     rng = np.random.default_rng(11)
-    raws = [random_blocks(q, n, K, rng) for q, n in ((Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32))]
-    parts = [
-        QuantWeight.from_raw(r, q, (r.shape[0], K)) for r, q in zip(raws, (Q.Q4_K, Q.Q4_K, Q.Q6_K))
-    ]
+    raws, parts = _fused_qkv(rng)
     gen = torch.Generator().manual_seed(12)
     # per part (q, k: per head of 16 rows; v untouched), as the loader builds it
     heads = [torch.randperm(16, generator=gen) + 16 * h for h in range(6)]
