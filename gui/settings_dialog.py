@@ -102,7 +102,7 @@ CLEAR_TIP = (
 
 # The choices of "Weights in memory", in plain words, and what each was measured to
 # cost and buy (`folio bench forward --shape llama-3.2-1b --quant q4_k_m --weights M`,
-# both modes in one run; README "Measured").
+# both modes in one run; README "Run it").
 WEIGHT_CHOICES = {
     "native": "As the file stores them (least memory)",
     "bf16": "bf16 copy: faster prompts, slower replies",

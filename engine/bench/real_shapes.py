@@ -1,5 +1,6 @@
 """`folio bench forward --shape NAME --quant Q`: Folio at the sizes users run, side by side
-with llama.cpp on the same file (issue 14).
+with llama.cpp on the same file (issue 14); `--model FILE.gguf --llama-cpp DIR`: the same
+figures on a model file as downloaded.
 
 The model is a random-weight GGUF with the exact shapes and tensor types llama.cpp's
 quantizer writes for that model (engine/bench/shapes.py; speed and memory depend on
@@ -38,10 +39,12 @@ round instead.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import sys
 import time
 from argparse import Namespace
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -261,9 +264,11 @@ def _fastest(rate) -> float:
 
 
 def run_shape_bench(args: Namespace) -> None:
+    """`folio bench forward --shape NAME --quant Q [--llama-cpp DIR]`: the figures on a
+    random-weight GGUF with that model's shapes and types (written once, cached)."""
     from engine.bench.shapes import make_shape_gguf, mix_report
-    from engine.cache.formats import width_name
-    from kernels.quant.bench import read_bandwidth
+
+    _check_llama_cpp(args)
 
     def progress(fraction: float, what: str) -> None:
         print(
@@ -274,15 +279,68 @@ def run_shape_bench(args: Namespace) -> None:
 
     path = make_shape_gguf(args.shape, args.quant, progress=progress)
     print(file=sys.stderr)
+    named = {"shape": args.shape, "quant": args.quant}
+    _side_by_side(args, path, named, mix_report(args.shape, args.quant))
+
+
+def run_file_bench(args: Namespace) -> None:
+    """`folio bench forward --model FILE.gguf --llama-cpp DIR`: the same figures, side by
+    side with llama.cpp, on a model file as downloaded (SmolLM2's, Gemma 3's, a user's)."""
+    path = Path(args.model)
+    if path.is_dir() or path.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"{path.name} is not a GGUF file: llama.cpp reads GGUF only, so --llama-cpp "
+            "needs --model FILE.gguf or --shape NAME"
+        )
+    _check_llama_cpp(args)
+    _side_by_side(args, path, {"model": path.name}, file_mix(path))
+
+
+def file_mix(path: Path) -> dict:
+    """The file's tensors by type: counts, bytes, parameters (as `mix_report` for a shape)."""
+    from engine.model.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).tensors.values()
+    counts = Counter(t.type_name for t in tensors)
+    sizes = Counter()
+    for t in tensors:
+        sizes[t.type_name] += t.nbytes
+    return {
+        "model": path.name,
+        "tensors": dict(counts),
+        "bytes_by_type": dict(sizes),
+        "weight_bytes": sum(sizes.values()),
+        "parameters": sum(math.prod(t.shape) for t in tensors),
+    }
+
+
+def _check_llama_cpp(args: Namespace) -> None:
+    """A --llama-cpp folder without the two tools fails now, not after Folio's half."""
+    from engine.bench.llama_cpp import LlamaCppError, find_tools
+
+    if getattr(args, "llama_cpp", None):
+        try:
+            find_tools(args.llama_cpp)
+        except LlamaCppError as exc:
+            raise ValueError(
+                f"{exc}; build them as the README's 'At real model sizes' says"
+            ) from None
+
+
+def _side_by_side(args: Namespace, path: Path, named: dict, mix: dict) -> None:
+    from engine.bench.llama_cpp import LlamaCppError
+    from engine.cache.formats import width_name
+    from kernels.quant.bench import read_bandwidth
+
     threads = args.threads or torch.get_num_threads()
     batches = tuple(args.batch)
     device = str(getattr(args, "device", "cpu"))
     prompt = getattr(args, "prompt_tokens", None) or PROMPT_TOKENS
     kv_bits = getattr(args, "kv_bits", None)
-    base = {"bench": "forward", "shape": args.shape, "quant": args.quant, "file_bytes": path.stat().st_size,
+    base = {"bench": "forward", **named, "file_bytes": path.stat().st_size,
             "threads": threads, "device": device, "prompt_tokens": prompt, "tg": args.tg,
             "kv": width_name(kv_bits)}  # fmt: skip
-    _emit({**base, "mix": mix_report(args.shape, args.quant)})
+    _emit({**base, "mix": mix})
     _warm_page_cache(path)
     torch.set_num_threads(threads)
     bound = read_bandwidth(device=device)
@@ -306,7 +364,12 @@ def run_shape_bench(args: Namespace) -> None:
         _emit({**base, **numbered, **folio})
         if not args.llama_cpp:
             continue
-        llama = _llama_cpp_figures(Path(args.llama_cpp), path, threads, args.tg, batches, prompt)
+        try:
+            llama = _llama_cpp_figures(
+                Path(args.llama_cpp), path, threads, args.tg, batches, prompt
+            )
+        except LlamaCppError as exc:  # Folio's figures are out; say what llama.cpp did
+            raise ValueError(f"llama.cpp on {path.name}: {exc}") from None
         if llama["decode_tok_s"]:
             llama["decode_gb_s"] = round(per_token * llama["decode_tok_s"] / 1e9, 2)
         llamas.append(llama)

@@ -110,8 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument(
         "--rounds",
         type=int,
-        help="interleaved rounds, each figure the best (default 3; --shape: 1, Folio and "
-        "llama.cpp in turns)",
+        help="interleaved rounds, each figure the best (default 3; --shape, --llama-cpp: 1, "
+        "Folio and llama.cpp in turns)",
     )
     fwd.add_argument("--skip-transformers", action="store_true")
     fwd.add_argument(
@@ -132,27 +132,39 @@ def _build_parser() -> argparse.ArgumentParser:
     fwd.add_argument(
         "--weights",
         choices=WEIGHT_MODES,
-        help=f"only this weight mode (default: every mode; --shape: {DEFAULT_WEIGHT_MODE})",
+        help="only this weight mode (default: every mode; --shape, --llama-cpp: "
+        f"{DEFAULT_WEIGHT_MODE})",
     )
     add_device_option(fwd)
     fwd.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
-    fwd.add_argument("--tg", type=int, default=128, help="--shape: generated tokens per S_TG case")
     fwd.add_argument(
-        "--prompt-tokens", type=int, default=512, help="--shape: the prompt prefill is timed on"
+        "--tg", type=int, default=128, help="--shape, --llama-cpp: generated tokens per S_TG case"
     )
     fwd.add_argument(
-        "--batch", type=int, nargs="+", default=[4, 16], help="--shape: S_TG batch sizes"
+        "--prompt-tokens",
+        type=int,
+        default=512,
+        help="--shape, --llama-cpp: the prompt prefill is timed on",
+    )
+    fwd.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[4, 16],
+        help="--shape, --llama-cpp: S_TG batch sizes",
     )
     fwd.add_argument(
         "--kv-bits",
         type=int,
         choices=(16, 32),
-        help="--shape: K/V pages in fp16 (the default) or fp32",
+        help="--shape, --llama-cpp: K/V pages in fp16 (the default) or fp32",
     )
     fwd.add_argument(
         "--llama-cpp",
         type=Path,
-        help="--shape: a folder with llama-bench and llama-batched-bench, run on the same file",
+        help="a folder with llama-bench and llama-batched-bench, run on the same file: the "
+        "--shape file, or else --model (a GGUF; default: the default model), with the "
+        "--shape options",
     )
     cache = bsub.add_parser("cache", help="page table and cache storage speed, KV bytes per token")
     cache.add_argument("--pages", type=int, default=4096)
@@ -375,6 +387,10 @@ def _bench(args: argparse.Namespace) -> None:
         from engine.bench.real_shapes import run_shape_bench
 
         run_shape_bench(args)
+    elif getattr(args, "llama_cpp", None):
+        from engine.bench.real_shapes import run_file_bench
+
+        run_file_bench(args)
     else:
         from engine.bench.forward import run_forward_bench
 

@@ -27,7 +27,7 @@ zero point (32) taken off in integers with the token's sums. Measured (before th
 levels and 8-token calls), one thread, 8192 x 2048, G multiply-adds a second at 1 / 4 /
 16 / 128 tokens: Q4_K 47 / 90 / 90 / 88 (the decode kernel 25 / 36 / 54, the lane
 kernel 82 at 128), Q6_K 34 / 77 / 80 (decode 18 / - / 43); after them Q4_K at 8 / 16
-tokens 103-110 (README, "coarse levels").
+tokens 103-110 (docs/PERFORMANCE.md, "coarse levels").
 
 Every token's arithmetic is the same sequence whatever the other tokens (tiles of 8, 4,
 2 or 1 tokens), so a decode step, a batch of any size and a prompt give a row the same

@@ -399,3 +399,64 @@ def test_llama_cpp_decodes_after_as_many_tokens_as_folio_did(tmp_path):
     got = _llama_cpp_figures(tmp_path, Path("m.gguf"), 2, 4, (1, 2), prompt=512)
     assert got["prefill_tok_s"] == 1000.0  # the prompt itself from an empty context
     assert got["decode_tok_s"] == 50.0 - 512 / 64 and got["decode_depth"] == 512
+
+
+def test_a_downloaded_gguf_is_measured_beside_llama_cpp(tmp_path, tiny_files):
+    """`folio bench forward --model FILE.gguf --llama-cpp DIR`: Folio's figures on the
+    file, llama.cpp's from its tools on the same file and context, and their ratios."""
+    import json
+    import subprocess
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    _fake_tool(tools, "llama-bench", FAKE_DEPTH_BENCH.format(python=sys.executable))
+    script = FAKE_BATCHED_BENCH.format(python=sys.executable, log=str(tmp_path / "calls"))
+    _fake_tool(tools, "llama-batched-bench", script)
+    path = tiny_files["tiny-llama", "q8_0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "folio", "bench", "forward", "--model", str(path),
+         "--llama-cpp", str(tools), "--tg", "4", "--batch", "2", "4", "--threads", "1",
+         "--prompt-tokens", "64"],
+        capture_output=True, text=True, timeout=600, check=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    ).stdout  # fmt: skip
+    mix, folio, llama, ratio = [json.loads(line) for line in out.splitlines() if line[:1] == "{"]
+    assert mix["model"] == path.name and "shape" not in mix
+    counts = {}
+    for t in GGUFFile(path).tensors.values():
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
+    assert mix["mix"]["tensors"] == counts and mix["mix"]["weight_bytes"] <= path.stat().st_size
+    assert folio["engine"] == "folio" and folio["file_bytes"] == path.stat().st_size
+    assert folio["prefill_tok_s"] > 0 and folio["s_tg"]["2"] > 0 and folio["s_tg"]["4"] > 0
+    assert llama["engine"] == "llama.cpp" and llama["decode_tok_s"] == 50.0 - 64 / 64
+    assert llama["s_tg"] == {"2": 40.0, "4": 80.0}  # the fake's 20 tok/s a sequence
+    assert ratio["folio_over_llama_cpp"]["prefill"] == round(folio["prefill_tok_s"] / 1000.0, 2)
+    assert ratio["folio_over_llama_cpp"]["decode"] == round(folio["decode_tok_s"] / 49.0, 2)
+    assert ratio["folio_over_llama_cpp"]["s_tg_B4"] == round(folio["s_tg"]["4"] / 80.0, 2)
+
+    # a llama.cpp tool that fails after Folio's half: one line that names it, no traceback
+    failed = subprocess.run(
+        [sys.executable, "-m", "folio", "bench", "forward", "--model", str(path),
+         "--llama-cpp", str(tools), "--tg", "4", "--batch", "2", "--threads", "1",
+         "--prompt-tokens", "64"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert f"llama.cpp on {path.name}" in failed.stderr and "no results" in failed.stderr
+    assert '"engine": "folio"' in failed.stdout
+
+
+def test_beside_llama_cpp_a_bad_file_or_folder_is_said_before_anything_runs(tmp_path, capsys):
+    from folio.main import main
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert main(["bench", "forward", "--model", str(folder), "--llama-cpp", str(tmp_path)]) == 1
+    assert "not a GGUF file" in capsys.readouterr().err
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert main(["bench", "forward", "--model", str(gguf_file), "--llama-cpp", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "lacks llama-bench" in err and "README" in err
