@@ -6,10 +6,11 @@ file: one or several parts fused along the output dimension (q/k/v, gate/up), ea
 Q6_K within a layer). The input is quantized to int8 once for all parts.
 :class:`BlockEmbedding` dequantizes the rows a step looks up, never the table.
 
-On AVX-512 VNNI the Q4_K / Q6_K parts are repacked at construction into tiles of 16 rows
-(:mod:`kernels.quant.tiles`; all parts of a run but the last whole tiles), which one
-kernel multiplies at every row count, a row's result the same in any batch or prompt.
-For the others, which kernel runs depends on the number of rows and on whether they are
+On AVX-512 VNNI the Q4_K / Q6_K parts, and the blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1), are repacked at construction into tiles of 16 rows (:mod:`kernels.quant.tiles`,
+:mod:`kernels.quant.tiles32`; all parts of a run but the last whole tiles), which one
+kernel per type multiplies at every row count, a row's result the same in any batch or
+prompt. For the others (any type on CPUs without VNNI), which kernel runs depends on the number of rows and on whether they are
 a prompt's or a decode step's (:func:`prompt_rows`; never on what else is in the batch): a decode step
 always, and outside a forward up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows
 (a prompt's forward below :data:`LANE_MIN_ROWS`), the integer decode
@@ -61,6 +62,8 @@ from kernels.quant.tiles import (
     tile_rows,
     tiles_supported,
 )
+from kernels.quant.tiles32 import CODES as TILES32
+from kernels.quant.tiles32 import tile_rows32
 from kernels.quant.weight import QuantWeight
 
 # A prompt's rows go through the prompt kernel in lanes (kernels/quant/lanes.py) this many
@@ -220,10 +223,10 @@ class BlockLinear(PartsLinear):
     @property
     def prefills_in_row_chunks(self) -> bool:
         """Whether every part of more than DECODE_MAX_ROWS rows goes through the decode
-        kernels PROMPT_ROWS rows at a time (super-block types only: the others
-        dequantize tiles for torch's GEMM, once per call), so that a caller can split its
-        rows into calls at no cost."""
-        return all(_super_blocks(g) for g in self._groups)
+        kernels PROMPT_ROWS rows at a time or through tiles (super-block types, and the
+        blocks of 32 in tiles: the others dequantize tiles for torch's GEMM, once per call), so that a
+        caller can split its rows into calls at no cost."""
+        return all(_super_blocks(g) or g.tiles is not None for g in self._groups)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether :meth:`normed` and :meth:`gated` take ``x``: float32 rows ``[T, ...]``
@@ -353,12 +356,17 @@ class BlockLinear(PartsLinear):
             chunked, rest = [], []
         else:
             rest = self._groups
+        per32 = [g for g in tiled if _per32_tiles(g)]
         for i in range(0, rows if lanes or tiled else 0, LANE_PROMPT_ROWS):
-            ka = quantize_super_blocks(x[i : i + LANE_PROMPT_ROWS].numpy(), levels=2)
+            chunk = x[i : i + LANE_PROMPT_ROWS].numpy()
+            ka = (
+                quantize_super_blocks(chunk, levels=2) if len(per32) < len(tiled) or lanes else None
+            )
+            a32 = two_level_activations(chunk) if per32 else None
             for group in tiled:
                 _tiles(
                     group,
-                    ka,
+                    a32 if _per32_tiles(group) else ka,
                     out[i : i + LANE_PROMPT_ROWS, group.first : group.first + group.columns],
                 )
             for group in lanes:
@@ -374,7 +382,7 @@ class BlockLinear(PartsLinear):
         # tiles round every output to 8 bits of mantissa: SmolLM2's argmax then moved at
         # 2% of the positions of a 512-token text, against none in float32)
         for group in rest:
-            if _super_blocks(group):
+            if _super_blocks(group) or group.tiles is not None:
                 continue
             cols = out[:, group.first : group.first + group.columns]
             if group.table is None:  # a float part
@@ -410,6 +418,11 @@ class BlockLinear(PartsLinear):
             cols = out[:, group.first : group.first + group.columns]
             if group.table is None:  # a float part
                 cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
+                continue
+            if group.tiles is not None and _per32_tiles(group):
+                if not isinstance(act, Q8Activations):  # made in super-blocks for others
+                    act = two_level_activations(x)
+                _tiles(group, act, cols)
                 continue
             if group.tiles is not None:
                 if act_k is None:  # ``act`` itself, unless made per 32 for other parts
@@ -449,10 +462,20 @@ def _in_lanes(group: _Group) -> bool:
     return kind is not None and kind.prompt_parts is not None and lanes_supported(kind.name)
 
 
-def _tiles(group: _Group, act: Q8KActivations, cols: np.ndarray) -> None:
-    """``cols`` = the tiled group's product with two levels of super-block activations."""
-    code = KBLOCK_CODES[group.parts[0].kind.name]
-    tile_rows(code, group.tiles, group.columns, act, cols, decode_tasks())
+def _tiles(group: _Group, act: Q8KActivations | Q8Activations, cols: np.ndarray) -> None:
+    """``cols`` = the tiled group's product with two levels of activations: per 32 for
+    the blocks of 32 (:func:`_per32_tiles`), else in super-blocks."""
+    name = group.parts[0].kind.name
+    if name in TILES32:
+        tile_rows32(name, group.tiles, group.columns, act, cols, decode_tasks())
+        return
+    tile_rows(KBLOCK_CODES[name], group.tiles, group.columns, act, cols, decode_tasks())
+
+
+def _per32_tiles(group: _Group) -> bool:
+    """Whether the group is in tiles that read activations per 32 (the blocks of 32:
+    kernels/quant/tiles32.py)."""
+    return group.tiles is not None and group.parts[0].kind.name in TILES32
 
 
 def _super_blocks(group: _Group) -> bool:

@@ -234,6 +234,8 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
     from kernels.quant.registry import quant_type
     from kernels.quant.superblock import KBLOCK_CODES
     from kernels.quant.tiles import repack_parts, tile_rows, tiles_supported
+    from kernels.quant.tiles32 import CODES as TILES32
+    from kernels.quant.tiles32 import tile_rows32
 
     for qtype in qtypes:
         kind = quant_type(qtype)
@@ -270,12 +272,17 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
             tiles = repack_parts([w.data], kind.name)
             # one token and a few (Q6_K's float steps: a kernel each), and (on AMX:
             # kernels/quant/amx.py) 16, where taken
-            for tokens in (1, 2, AMX_TOKENS) if amx_ready() else (1, 2):
-                act = quantize_super_blocks(np.zeros((tokens, k), np.float32), levels=2)
+            per32 = kind.name in TILES32  # kernels/quant/tiles32.py
+            for tokens in (1, 2, AMX_TOKENS) if amx_ready() and not per32 else (1, 2):
+                zeros = np.zeros((tokens, k), np.float32)
+                act = two_level_activations(zeros) if per32 else quantize_super_blocks(zeros, 2)
                 for out in (
                     np.empty((tokens, 1), np.float32),
                     np.empty((tokens, 2), np.float32)[:, :1],
                 ):
-                    tile_rows(KBLOCK_CODES[kind.name], tiles, 1, act, out, decode_tasks())
+                    if per32:
+                        tile_rows32(kind.name, tiles, 1, act, out, decode_tasks())
+                    else:
+                        tile_rows(KBLOCK_CODES[kind.name], tiles, 1, act, out, decode_tasks())
         dequantize_weight(w, dtype=torch.bfloat16)
         dequantize_weight(w, dtype=torch.float32)

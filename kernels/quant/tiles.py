@@ -49,6 +49,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from kernels.quant import tiles32
 from kernels.quant.amx import AMX_TOKENS, SCRATCH, amx_ready, tile_dot_amx
 from kernels.quant.blocks import INLINE, JIT
 from kernels.quant.simd import (
@@ -91,6 +92,7 @@ from kernels.quant.tile_layout import (
     q6_k_header,
     q6_k_token_end,
 )
+from kernels.quant.tiles32 import call_tokens, tile_out
 
 __all__ = [
     "RECORD",
@@ -123,13 +125,15 @@ Q6_K_INTEGER = amx_ready()
 # tiles2: llama's q/k rows in the model's order (linear._row_orders), so a tile file
 # kept before (their rows in the file's order) is not mapped, nor carried into the next
 # file's index, where its stale q/k tiles would be read in at every load
-TILES_FORMAT = "tiles2"
+# tiles3: the blocks of 32 in tiles too (kernels/quant/tiles32.py), whose products
+# round otherwise
+TILES_FORMAT = "tiles3"
 
 
 def tiles_supported(kind_name: str) -> bool:
     """Whether this CPU multiplies ``kind_name`` weights as tiles (AVX-512 VNNI; Q4_K,
-    Q6_K)."""
-    return HOST_ISA == "avx512vnni" and kind_name in KBLOCK_CODES
+    Q6_K; and the blocks of 32 in tiles of their own, :mod:`kernels.quant.tiles32`)."""
+    return HOST_ISA == "avx512vnni" and (kind_name in KBLOCK_CODES or kind_name in tiles32.CODES)
 
 
 @numba.njit(**JIT)
@@ -234,6 +238,8 @@ def _tiles_of(rows: int) -> int:
 
 def tiles_nbytes(rows: int, k: int, kind_name: str = "Q4_K") -> int:
     """Bytes of the tiles of a weight ``[rows, k]`` of ``kind_name``."""
+    if kind_name in tiles32.CODES:
+        return _tiles_of(rows) * tiles32.tile_bytes(kind_name, k // 32)
     return _tiles_of(rows) * (k // 256) * RECORDS[KBLOCK_CODES[kind_name]]
 
 
@@ -252,8 +258,13 @@ def repack_parts(
     ``[N_i]``): the part's rows taken in that order (llama's q/k rows, which the file
     holds permuted per head, tiled in the order the model reads them: no permutation
     of the outputs after each product; the part is then copied once in that order)."""
-    code = KBLOCK_CODES[kind_name]
-    block, record = KBLOCK_KINDS[code][1], RECORDS[code]
+    if kind_name in tiles32.CODES:  # kernels/quant/tiles32.py: a tile the file's bytes
+        layout = tiles32.LAYOUTS[tiles32.CODES[kind_name]]
+        block, record, repack = layout.block, layout.tile_block, tiles32.repack32(kind_name)
+    else:
+        code = KBLOCK_CODES[kind_name]
+        block, record = KBLOCK_KINDS[code][1], RECORDS[code]
+        repack = _repack if code == 0 else _repack6
     row_bytes = parts[0].shape[1]
     if row_bytes % block or any(p.shape[1] != row_bytes for p in parts):
         raise ValueError(
@@ -262,7 +273,6 @@ def repack_parts(
     nblk = row_bytes // block
     counts = [_tiles_of(p.shape[0]) for p in parts]
     out = _aligned((sum(counts), nblk, record))  # zeros: a short last tile's padding
-    repack = _repack if code == 0 else _repack6
     step = max(1, REPACK_CHUNK // (TILE_ROWS * row_bytes))  # tiles a chunk
     first = 0
     with ThreadPoolExecutor(_REPACK_THREADS) as pool:
@@ -524,18 +534,12 @@ def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
                         bs_at + j * bss, bss, tmp_at, scratch_at, kind, amx,
                     )  # fmt: skip
                 else:
-                    nt = min(TOKEN_TILE, tokens - j)
-                    if 4 < nt < 8:
-                        nt = 4
-                    elif nt == 3:
-                        nt = 2
+                    nt = call_tokens(tokens - j, TOKEN_TILE)
                     _tile_dot(
                         kind, rec_at, nblk, x_at + j * xs, xs, xl, xd_at + j * ds,
                         ds, bs_at + j * bss, bss, tmp_at, nt,
                     )  # fmt: skip
-                for t in range(nt):
-                    for r in range(valid):
-                        out[j + t, n0 + r] = tmp[16 * t + r]
+                tile_out(out, tmp, j, nt, n0, valid)
                 j += nt
 
 

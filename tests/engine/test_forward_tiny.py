@@ -323,8 +323,9 @@ def _counted(method, calls: list):
 def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, monkeypatch):
     """Over super-block weights a prompt longer than MLP_ROWS goes through each MLP that
     many rows at a time (never leaving DECODE_MAX_ROWS rows or fewer, which would take the
-    decode path): the logits and stored K/V equal one pass's bit for bit. Weights of
-    32-element blocks (a GEMM on dequantized tiles per call) keep one pass."""
+    decode path): the logits and stored K/V equal one pass's bit for bit. So do weights
+    of 32-element blocks where they are in tiles (kernels/quant/tiles32.py); elsewhere
+    (a GEMM on dequantized tiles per call) they keep one pass."""
     import engine.model.transformer as transformer_module
     from kernels.quant import DECODE_MAX_ROWS
     from kernels.quant.linear import BlockLinear
@@ -363,7 +364,8 @@ def test_a_long_prompts_mlp_in_row_chunks_gives_the_same_bits(mix, tmp_path, mon
     assert torch.equal(whole, chunked)
     assert all(torch.equal(a, b) for a, b in zip(whole_pages, chunked_pages))
     layers = len(loaded.model.layers)
-    if mix == "Q4_K_M":  # gate_up and down 3 calls a layer, the last of 2 * 32 + 8 rows
+    if mix == "Q4_K_M" or tiles_supported("Q8_0"):
+        # gate_up and down 3 calls a layer, the last of 2 * 32 + 8 rows
         assert chunked_calls.count(mlp_rows + DECODE_MAX_ROWS) == 2 * layers
         assert min(chunked_calls) > DECODE_MAX_ROWS
     else:

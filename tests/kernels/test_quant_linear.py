@@ -21,7 +21,8 @@ from kernels.quant.lanes import lanes_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear, two_level_activations
 from kernels.quant.reference import reference_dequantize
 from kernels.quant.registry import ActivationFormat
-from kernels.quant.tiles import tiles_nbytes, tiles_supported
+from kernels.quant.tiles import repack_parts, tiles_nbytes, tiles_supported
+from kernels.quant.tiles32 import tile_rows32
 
 Q = GGMLQuantizationType
 K = 512
@@ -183,11 +184,17 @@ def test_consecutive_parts_of_one_type_are_one_call():
         alone = torch.cat([BlockLinear([p])(x) for p in parts], dim=1)
         assert torch.equal(lin(x), alone)
         act = two_level_activations(x.numpy())
-        y = np.concatenate([decode_matmul(act, p) for p in parts[3:5]], axis=1)
-        assert torch.equal(alone[:, 144:320], torch.from_numpy(y[:b] + y[b:]))
+        if tiles_supported("Q8_0"):  # kernels/quant/tiles32.py: both levels in the kernel
+            y = np.empty((b, 176), np.float32)
+            tiles = repack_parts([p.data for p in parts[3:5]], "Q8_0")
+            tile_rows32("Q8_0", tiles, 176, act, y, 2)
+            assert torch.equal(alone[:, 144:320], torch.from_numpy(y))
+        else:
+            y = np.concatenate([decode_matmul(act, p) for p in parts[3:5]], axis=1)
+            assert torch.equal(alone[:, 144:320], torch.from_numpy(y[:b] + y[b:]))
     # a prompt's rows: the super-block runs through the prompt kernel in lanes, or where
     # the CPU has none the decode kernel (row by row the same bits), each run as its parts
-    # alone; the Q8_0 parts through float32 tiles
+    # alone; the Q8_0 parts in tiles as decoding each row alone, or through float32 tiles
     x = torch.randn(2 * DECODE_MAX_ROWS + 3, K)
     got = lin(x)
     alone = torch.cat([BlockLinear([p])(x) for p in parts], dim=1)
@@ -200,8 +207,11 @@ def test_consecutive_parts_of_one_type_are_one_call():
         assert torch.equal(got[:, 320:], rows[:, 320:])
     if not lanes_supported("Q6_K"):
         assert torch.equal(got[:, 80:144], rows[:, 80:144])
-    tiles = [prefill_matmul(x, p, dtype=torch.float32) for p in parts[3:5]]
-    assert torch.equal(got[:, 144:320], torch.cat(tiles, dim=1))
+    if tiles_supported("Q8_0"):
+        assert torch.equal(got[:, 144:320], rows[:, 144:320])
+    else:
+        tiles = [prefill_matmul(x, p, dtype=torch.float32) for p in parts[3:5]]
+        assert torch.equal(got[:, 144:320], torch.cat(tiles, dim=1))
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,), (Q.Q4_0, Q.F16)])
