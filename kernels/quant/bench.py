@@ -26,6 +26,12 @@ it, AMX (:mod:`kernels.quant.amx`), in rotation: multiply-adds a second (one lev
 counted) and weight bytes a second, with the weights cold (copies past the last-level
 cache, as decode steps read them) and warm (one copy again and again, as a prompt's token
 groups meet a tile).
+
+    python -m kernels.quant.bench --tiles32 [--threads 2]
+
+the blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in their tiles (:mod:`kernels.quant.
+tiles32`) against the per-32 kernel on the file's blocks, at 1, 4, 16 and 128 tokens,
+cold and warm, in rotation.
 """
 
 from __future__ import annotations
@@ -298,19 +304,31 @@ def bench_tiles(
                         tile_rows(code, tiles, n, act, out, decode_tasks(), amx)
 
                 cases[(tokens, path, temp)] = (run, len(mats))
+    return _best_per_matrix(cases, rounds)
+
+
+def _best_per_matrix(cases: dict, rounds: int) -> dict:
+    """{case: best seconds per matrix} over ``rounds`` rounds of every case in turn
+    (``cases``: case -> (run, matrices a run multiplies)), after one run each to compile
+    and warm up."""
     best = {case: float("inf") for case in cases}
     for run, _ in cases.values():
-        run()  # compile / warm up
+        run()
     for _ in range(rounds):
         for case, (run, m) in cases.items():
             best[case] = min(best[case], _timed(run) / m)
     return best
 
 
+def _file_bytes(qtype, n: int, k: int) -> int:
+    """The file's bytes of an ``[n, k]`` matrix of ``qtype``."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return n * (k // block_size) * type_size
+
+
 def print_tiles(rounds: int, rng) -> None:
     for qtype, (n, k) in TILE_SHAPES.items():
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
-        nbytes = n * (k // block_size) * type_size  # the file's bytes of the matrix
+        nbytes = _file_bytes(qtype, n, k)
         res = bench_tiles(qtype, rounds, rng)
         for (tokens, path, temp), sec in res.items():
             print(
@@ -319,6 +337,78 @@ def print_tiles(rounds: int, rng) -> None:
                 f"weights {nbytes / sec / 1e9:5.1f} GB/s",
                 flush=True,
             )
+
+
+# the blocks of 32: Gemma 3 270M's tied head and an ffn matrix, SmolLM2's fused gate/up,
+# and the Llama-3.2-1B ffn up for the types neither model holds
+TILE32_SHAPES = {
+    Q.Q8_0: (262144, 640),
+    Q.Q5_0: (2048, 640),
+    Q.Q4_1: (3072, 576),
+    Q.Q4_0: (8192, 2048),
+    Q.Q5_1: (8192, 2048),
+}
+TILE32_TOKENS = (1, 4, 16, 128)
+
+
+def bench_tiles32(
+    qtype: GGMLQuantizationType,
+    rounds: int,
+    rng,
+    shape: tuple[int, int] | None = None,
+    tokens_list: tuple[int, ...] = TILE32_TOKENS,
+    cold_bytes: int = COLD_BYTES,
+) -> dict:
+    """{(tokens, path, "cold" | "warm"): seconds per matrix} for a block-of-32 type on an
+    ``[n, k]`` matrix (default :data:`TILE32_SHAPES`), path "tiles" (its tiles,
+    :mod:`kernels.quant.tiles32`) or "block32" (the per-32 kernel reading the file's
+    blocks, :mod:`kernels.quant.block32`, what CPUs without AVX-512 VNNI run), both on the
+    same two levels of activations, in rotation."""
+    from kernels.quant.activations import two_level_activations
+    from kernels.quant.matmul import decode_tasks, parts_kernel_args
+    from kernels.quant.registry import quant_type
+    from kernels.quant.tiles import repack_parts
+    from kernels.quant.tiles32 import tile_rows32
+
+    n, k = shape or TILE32_SHAPES[qtype]
+    kind = quant_type(qtype)
+    raw = random_blocks(qtype, n, k, rng)
+    blocks = _rotation(raw.copy, raw.nbytes, cold_bytes)
+    tiles = _rotation(lambda: repack_parts([raw], qtype.name), raw.nbytes, cold_bytes)
+    cases = {}
+    for tokens in tokens_list:
+        act = two_level_activations(rng.standard_normal((tokens, k)).astype(np.float32))
+        out = np.empty((tokens, n), np.float32)
+        levels, *args = parts_kernel_args(kind, act, tokens)
+
+        def by_tiles(mats, act=act, out=out):
+            for t in mats:
+                tile_rows32(qtype.name, t, n, act, out, decode_tasks())
+
+        def by_blocks(mats, levels=levels, args=args, out=out):
+            for m in mats:
+                table = np.array([[m.ctypes.data, n]], np.int64)
+                kind.decode_parts(table, m.shape[1], levels, *args, out, decode_tasks())
+
+        for path, fn, mats in (("tiles", by_tiles, tiles), ("block32", by_blocks, blocks)):
+            for temp, used in (("cold", mats), ("warm", mats[:1] * len(mats))):
+                cases[(tokens, path, temp)] = (functools.partial(fn, used), len(used))
+    return _best_per_matrix(cases, rounds)
+
+
+def print_tiles32(rounds: int, rng) -> None:
+    for qtype, (n, k) in TILE32_SHAPES.items():
+        nbytes = _file_bytes(qtype, n, k)
+        res = bench_tiles32(qtype, rounds, rng)
+        for tokens in TILE32_TOKENS:
+            for temp in ("cold", "warm"):
+                t, b = res[(tokens, "tiles", temp)], res[(tokens, "block32", temp)]
+                print(
+                    f"tiles32 {qtype.name} {n}x{k} {tokens:4d} tokens {temp}: tiles "
+                    f"{t * 1e3:8.3f} ms ({tokens * n * k / t / 1e9:5.0f} G multiply-adds/s, "
+                    f"{nbytes / t / 1e9:5.1f} GB/s), block32 {b * 1e3:8.3f} ms: {b / t:.2f}x",
+                    flush=True,
+                )
 
 
 def compile_times(types: list[GGMLQuantizationType]) -> dict:
@@ -345,12 +435,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="4096 x 4096 only, 3 rounds")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--tiles", action="store_true", help="the tile kernels instead (VNNI, AMX)")
+    ap.add_argument(
+        "--tiles32",
+        action="store_true",
+        help="the blocks of 32 in tiles against the per-32 kernel instead (VNNI)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
-    if args.tiles:
+    if args.tiles or args.tiles32:
         print(f"ISA {HOST_ISA}, {args.threads} threads")
-        print_tiles(args.rounds, np.random.default_rng(0))
+        (print_tiles if args.tiles else print_tiles32)(args.rounds, np.random.default_rng(0))
         return
     types = [Q[name] for name in args.types.split(",")]
     shapes = SHAPES[1:] if args.quick else SHAPES

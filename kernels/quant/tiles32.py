@@ -10,10 +10,11 @@ whole step took 75; and prompts of these types went through float32 tiles dequan
 for torch's GEMM. With the rows interleaved once at load, as the k-quants' tiles do
 (:mod:`kernels.quant.tiles`), one ``vpdpbusd`` with a token's 4 int8 activations
 broadcast gives 16 rows' sums of 4 products, the weight bytes are read once for 8 tokens
-and the float steps are per block and token for 16 rows at once. One thread-pair,
-matrix cold, under load: Q8_0 262,144 x 640 at 16 tokens 31.5 ms against 88.7 (one
-token 10.8 against 15.3); a 128-token prompt of 8192 x 2048 30.5 ms against 190 through
-float32 tiles.
+and the float steps are per block and token for 16 rows at once. Two threads, weights
+cold (``python -m kernels.quant.bench --tiles32``), against the per-32 kernel at 1 / 4 /
+16 / 128 tokens: Q8_0 262,144 x 640 0.93x / 1.56x / 3.05x / 3.96x, the 4- and 5-bit
+types 1.09-1.31x / 2.06-2.50x / 3.32-3.72x / 3.79-4.05x; one token reads about 23 GB/s
+of any type (Q8_0's large head 23.3 against the per-32 kernel's 25.0), four 18.
 
 A tile holds 16 rows and, per block of 32 elements, their codes in lines of 64 bytes,
 row ``r``'s four bytes of a line at ``4r``: Q8_0 8 lines (codes ``4k .. 4k + 3`` in line

@@ -146,3 +146,16 @@ def test_block_linear_takes_them_as_tiles_for_prompts_and_decode_steps(qtype):
     w = reference_dequantize(raw, qtype, (n, K))
     exact = x.double() @ torch.from_numpy(w).double().T
     assert (prompt.double() - exact).abs().max() / exact.abs().max() < 1e-4
+
+
+def test_the_tile_bench_times_both_kernels_on_the_same_activations():
+    """``python -m kernels.quant.bench --tiles32``: each token count through the tiles and
+    through the per-32 kernel, cold and warm, each a positive time per matrix."""
+    from kernels.quant.bench import bench_tiles32
+
+    res = bench_tiles32(Q.Q5_0, 1, np.random.default_rng(0), (32, 640), (1, 9), 1 << 15)
+    expected = {
+        (t, p, temp) for t in (1, 9) for p in ("tiles", "block32") for temp in ("cold", "warm")
+    }
+    assert set(res) == expected
+    assert all(np.isfinite(sec) and sec > 0 for sec in res.values())
