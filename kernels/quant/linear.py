@@ -10,13 +10,13 @@ On AVX-512 VNNI the Q4_K / Q6_K parts, and the blocks of 32 (Q8_0, Q4_0, Q4_1, Q
 Q5_1), are repacked at construction into tiles of 16 rows (:mod:`kernels.quant.tiles`,
 :mod:`kernels.quant.tiles32`; all parts of a run but the last whole tiles), which one
 kernel per type multiplies at every row count, a row's result the same in any batch or
-prompt. For the others (any type on CPUs without VNNI), which kernel runs depends on the number of rows and on whether they are
-a prompt's or a decode step's (:func:`prompt_rows`; never on what else is in the batch): a decode step
-always, and outside a forward up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows
-(a prompt's forward below :data:`LANE_MIN_ROWS`), the integer decode
-kernel on two levels of int8 activations (:func:`two_level_activations`; per 256 for
-the k-quant super-block kernels), whose row ``b``
-depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the prompt kernel
+prompt. For the others (any type on CPUs without VNNI), which kernel runs depends on the
+number of rows and on whether they are a prompt's or a decode step's
+(:func:`prompt_rows`; never on what else is in the batch): a decode step always, and
+outside a forward up to :data:`~kernels.quant.matmul.DECODE_MAX_ROWS` rows (a prompt's
+forward below :data:`LANE_MIN_ROWS`), the integer decode kernel on two levels of int8
+activations (:func:`two_level_activations`; per 256 for the k-quant super-block
+kernels), whose row ``b`` depends on input row ``b`` alone. Above, the Q4_K / Q6_K parts take the prompt kernel
 with weight rows in vector lanes (:mod:`kernels.quant.lanes`, AVX-512 VNNI;
 :data:`LANE_PROMPT_ROWS` rows a call, each row's result the same in any prompt), or
 where the CPU lacks it the decode kernel :data:`PROMPT_ROWS` rows at a time (so a
@@ -224,8 +224,8 @@ class BlockLinear(PartsLinear):
     def prefills_in_row_chunks(self) -> bool:
         """Whether every part of more than DECODE_MAX_ROWS rows goes through the decode
         kernels PROMPT_ROWS rows at a time or through tiles (super-block types, and the
-        blocks of 32 in tiles: the others dequantize tiles for torch's GEMM, once per call), so that a
-        caller can split its rows into calls at no cost."""
+        blocks of 32 in tiles: the others dequantize tiles for torch's GEMM, once per
+        call), so that a caller can split its rows into calls at no cost."""
         return all(_super_blocks(g) or g.tiles is not None for g in self._groups)
 
     def fuses(self, x: torch.Tensor) -> bool:
