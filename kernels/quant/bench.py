@@ -367,13 +367,21 @@ def bench_tiles32(
     from kernels.quant.activations import two_level_activations
     from kernels.quant.matmul import decode_tasks, parts_kernel_args
     from kernels.quant.registry import quant_type
-    from kernels.quant.tiles import repack_parts
+    from kernels.quant.tiles import _aligned, repack_parts
     from kernels.quant.tiles32 import tile_rows32
 
     n, k = shape or TILE32_SHAPES[qtype]
     kind = quant_type(qtype)
     raw = random_blocks(qtype, n, k, rng)
-    blocks = _rotation(raw.copy, raw.nbytes, cold_bytes)
+
+    def in_pages():
+        # in 4 KB pages, as the tiles and the engine's mapped file are: numpy's copies
+        # get transparent huge pages, which one token alone reads 1.2-1.3x faster
+        out = _aligned(raw.shape)
+        out[:] = raw
+        return out
+
+    blocks = _rotation(in_pages, raw.nbytes, cold_bytes)
     tiles = _rotation(lambda: repack_parts([raw], qtype.name), raw.nbytes, cold_bytes)
     cases = {}
     for tokens in tokens_list:

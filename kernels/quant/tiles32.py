@@ -11,10 +11,9 @@ for torch's GEMM. With the rows interleaved once at load, as the k-quants' tiles
 (:mod:`kernels.quant.tiles`), one ``vpdpbusd`` with a token's 4 int8 activations
 broadcast gives 16 rows' sums of 4 products, the weight bytes are read once for 8 tokens
 and the float steps are per block and token for 16 rows at once. Two threads, weights
-cold (``python -m kernels.quant.bench --tiles32``), against the per-32 kernel at 1 / 4 /
-16 / 128 tokens: Q8_0 262,144 x 640 0.93x / 1.56x / 3.05x / 3.96x, the 4- and 5-bit
-types 1.09-1.31x / 2.06-2.50x / 3.32-3.72x / 3.79-4.05x; one token reads about 23 GB/s
-of any type (Q8_0's large head 23.3 against the per-32 kernel's 25.0), four 18.
+cold in 4 KB pages (``python -m kernels.quant.bench --tiles32``), against the per-32
+kernel at 1 / 4 / 16 / 128 tokens: 1.14-1.30x / 1.61-2.37x / 3.08-3.61x / 3.58-3.96x
+over the five types; one token reads 19-25 GB/s, four 16-19.
 
 A tile holds 16 rows and, per block of 32 elements, their codes in lines of 64 bytes,
 row ``r``'s four bytes of a line at ``4r``: Q8_0 8 lines (codes ``4k .. 4k + 3`` in line
@@ -404,6 +403,8 @@ def tile_rows32(
     if act.q.shape[0] != 2 * tokens:
         raise ValueError(f"{act.q.shape[0]} activation rows for {tokens} tokens: two levels")
     nblk = tiles.shape[1]
+    if tiles.ctypes.data % 64 or not tiles.flags.c_contiguous:
+        raise ValueError("tiles must be C-contiguous from a 64-byte boundary (repack_parts)")
     if act.q.shape[1] != 32 * nblk:
         raise ValueError(f"activations of {act.q.shape[1]} for {kind_name} tiles of {32 * nblk}")
     cs = np.empty((2 * tokens, nblk), np.int32)

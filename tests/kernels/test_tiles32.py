@@ -121,6 +121,10 @@ def test_wrong_activations_are_refused():
     act = two_level_activations(rng.standard_normal((2, K)).astype(np.float32))
     with pytest.raises(ValueError, match="two levels"):
         tile_rows32("Q8_0", tiles, 16, act, np.empty((4, 16), np.float32), 2)
+    moved = np.empty(tiles.nbytes + 64, np.uint8)[8 : 8 + tiles.nbytes].reshape(tiles.shape)
+    moved[:] = tiles  # its vector loads need 64-byte lines: an error, not a crash
+    with pytest.raises(ValueError, match="64-byte"):
+        tile_rows32("Q8_0", moved, 16, act, np.empty((2, 16), np.float32), 2)
     small = two_level_activations(rng.standard_normal((2, 320)).astype(np.float32))
     with pytest.raises(ValueError, match="activations of 320"):
         tile_rows32("Q8_0", tiles, 16, small, np.empty((2, 16), np.float32), 2)
