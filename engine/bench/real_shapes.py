@@ -39,12 +39,10 @@ round instead.
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing
 import sys
 import time
 from argparse import Namespace
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -298,20 +296,11 @@ def run_file_bench(args: Namespace) -> None:
 
 def file_mix(path: Path) -> dict:
     """The file's tensors by type: counts, bytes, parameters (as `mix_report` for a shape)."""
+    from engine.bench.shapes import type_totals
     from engine.model.gguf_file import GGUFFile
 
     tensors = GGUFFile(path).tensors.values()
-    counts = Counter(t.type_name for t in tensors)
-    sizes = Counter()
-    for t in tensors:
-        sizes[t.type_name] += t.nbytes
-    return {
-        "model": path.name,
-        "tensors": dict(counts),
-        "bytes_by_type": dict(sizes),
-        "weight_bytes": sum(sizes.values()),
-        "parameters": sum(math.prod(t.shape) for t in tensors),
-    }
+    return {"model": path.name, **type_totals((t.type_name, t.nbytes, t.shape) for t in tensors)}
 
 
 def _check_llama_cpp(args: Namespace) -> None:

@@ -308,19 +308,24 @@ def tensor_mix(name: str, quant: str) -> list[TensorSpec]:
 def mix_report(name: str, quant: str) -> dict:
     """What the bench prints beside its figures: tensor counts and bytes per type."""
     specs = tensor_mix(name, quant)
-    counts = Counter(s.qtype.name for s in specs)
-    sizes = Counter()
-    for s in specs:
-        sizes[s.qtype.name] += s.nbytes
     shape = _shape(name)
+    totals = type_totals((s.qtype.name, s.nbytes, s.shape) for s in specs)
+    return {"shape": name, "source": shape.source, "quant": quant, **totals}
+
+
+def type_totals(tensors: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict:
+    """Tensors given as (type name, bytes, shape): their count and bytes per type, all
+    their bytes and their parameters."""
+    counts, sizes, parameters = Counter(), Counter(), 0
+    for type_name, nbytes, shape in tensors:
+        counts[type_name] += 1
+        sizes[type_name] += nbytes
+        parameters += math.prod(shape)
     return {
-        "shape": name,
-        "source": shape.source,
-        "quant": quant,
         "tensors": dict(counts),
         "bytes_by_type": dict(sizes),
         "weight_bytes": sum(sizes.values()),
-        "parameters": sum(math.prod(s.shape) for s in specs),
+        "parameters": parameters,
     }
 
 

@@ -419,7 +419,7 @@ class BlockLinear(PartsLinear):
             if group.table is None:  # a float part
                 cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
                 continue
-            if group.tiles is not None and _per32_tiles(group):
+            if _per32_tiles(group):
                 if not isinstance(act, Q8Activations):  # made in super-blocks for others
                     act = two_level_activations(x)
                 _tiles(group, act, cols)

@@ -92,7 +92,7 @@ from kernels.quant.tile_layout import (
     q6_k_header,
     q6_k_token_end,
 )
-from kernels.quant.tiles32 import call_tokens, tile_out
+from kernels.quant.tiles32 import call_out, call_tokens, tile_out
 
 __all__ = [
     "RECORD",
@@ -514,11 +514,7 @@ def _tile_rows(kind, tiles, n_rows, q, xl, xd, sums, out, tasks, amx):
     xs, ds, bss = q.strides[0], xd.strides[0], sums.strides[0]
     x_at, xd_at, bs_at = q.ctypes.data, xd.ctypes.data, sums.ctypes.data
     for task in numba.prange(tasks):
-        raw = np.empty(64 * AMX_TOKENS + 64, np.uint8)
-        tmp_at = (raw.ctypes.data + 63) & ~63
-        tmp = raw[tmp_at - raw.ctypes.data : tmp_at - raw.ctypes.data + 64 * AMX_TOKENS].view(
-            np.float32
-        )
+        tmp_at, tmp = call_out(AMX_TOKENS)
         scratch = np.empty(SCRATCH + 64 if amx else 0, np.uint8)
         scratch_at = (scratch.ctypes.data + 63) & ~63
         for tile in range(task * per, min((task + 1) * per, n_tiles)):

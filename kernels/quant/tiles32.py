@@ -298,10 +298,7 @@ def _tile_rows(kind, tiles, nblk, n_rows, q, xd, cs, sums, out, tasks):
     xs, ds, css, sms = q.strides[0], xd.strides[0], cs.strides[0], sums.strides[0]
     x_at, xd_at, cs_at, sm_at = q.ctypes.data, xd.ctypes.data, cs.ctypes.data, sums.ctypes.data
     for task in numba.prange(tasks):
-        raw = np.empty(64 * TOKENS + 64, np.uint8)
-        tmp_at = (raw.ctypes.data + 63) & ~63
-        off = tmp_at - raw.ctypes.data
-        tmp = raw[off : off + 64 * TOKENS].view(np.float32)
+        tmp_at, tmp = call_out(TOKENS)
         for tile in range(task * per, min((task + 1) * per, n_tiles)):
             n0 = tile * TILE_ROWS
             valid = min(TILE_ROWS, n_rows - n0)
@@ -316,6 +313,16 @@ def _tile_rows(kind, tiles, nblk, n_rows, q, xd, cs, sums, out, tasks):
                 )  # fmt: skip
                 tile_out(out, tmp, j, nt, n0, valid)
                 j += nt
+
+
+@numba.njit(**INLINE)
+def call_out(tokens):
+    """A kernel call's output for ``tokens`` tokens x 16 rows: its address (64-byte
+    aligned, as the kernels store whole vectors) and the float32 view there."""
+    raw = np.empty(64 * tokens + 64, np.uint8)
+    at = (raw.ctypes.data + 63) & ~63
+    off = at - raw.ctypes.data
+    return at, raw[off : off + 64 * tokens].view(np.float32)
 
 
 @numba.njit(**INLINE)
