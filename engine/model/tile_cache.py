@@ -25,6 +25,12 @@ other processes left half-written is removed. The files together stay within a b
 least recently used deleted first; a file that does not fit is not written (the next load
 repacks again). Loading maps the file copy-on-write and never writes to it, so its pages
 are the page cache's, shared by every process running the model.
+
+Huge pages (Linux, a filesystem with large folios): the file is written in writes of 64
+MB from multiples of 64 MB, so the page cache holds it in 2 MB folios, and mapped with
+``MADV_HUGEPAGE``, so what is not cached is read in 2 MB folios; the load then reads its
+tiles through huge pages (decode at the Llama-3.2-1B shape 23.7 tok/s from small folios,
+27.5 from huge ones).
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ PARTIAL = ".partial-"  # <digest>.tiles.partial-<pid>: being written by process 
 DEFAULT_BUDGET_CAP = 24 << 30  # default budget: this, or a quarter of the free disk if less
 BUDGET_VARIABLE = "FOLIO_TILES_BUDGET_GB"  # overrides the default; 0 turns the cache off
 SAVE_AT_EXIT_S = 60.0  # how long a process's exit waits for its tiles to be written
-_CHUNK = 64 << 20  # bytes a CRC-32 call covers (numpy and zlib leave the GIL free)
+_CHUNK = 64 << 20  # bytes a CRC-32 call covers (numpy and zlib leave the GIL free), and a write
+_WINDOW_PIECES = 256  # pieces one write gathers at most (the system's limit is 1,024)
 _THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Key = tuple  # (kind name, ((file offset, rows, row bytes), ...))
@@ -200,7 +207,13 @@ class TileCache:
             ]
             if any(e.offset % PAGE or e.offset + _nbytes(e) > size for e in entries):
                 raise ValueError("shorter than its index says")
-            return entries, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+                # what the page cache does not hold is read in 2 MB folios, mapped as huge
+                # pages: one token's weight read 1.16x faster (Llama-3.2-1B shape decode,
+                # 23.7 -> 27.5 tok/s) than from the small folios plain readahead makes
+                data.madvise(mmap.MADV_HUGEPAGE)
+            return entries, data
 
     def _drop(self, why: str) -> None:
         log.warning("%s", why)
@@ -304,9 +317,7 @@ class TileCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.truncate(total)
-                for e, a in weights:
-                    f.seek(e.offset)
-                    e.crc = _write_crc(f, a)
+                _write_weights(f.fileno(), weights)
                 index = _index(model, weights)
                 f.seek(0)
                 f.write(_HEADER.pack(MAGIC, len(index), zlib.crc32(index)) + index)
@@ -419,14 +430,59 @@ def _crc(data: mmap.mmap, e: _Entry) -> bool:
     return crc == e.crc
 
 
-def _write_crc(f, a: np.ndarray) -> int:
-    flat = a.reshape(-1)
-    crc = 0
-    for at in range(0, flat.size, _CHUNK):
-        chunk = flat[at : at + _CHUNK]
-        crc = zlib.crc32(chunk, crc)
-        f.write(memoryview(chunk))
-    return crc
+def _write_weights(fd: int, weights: list[tuple[_Entry, np.ndarray]]) -> None:
+    """Each weight's bytes at its offset and zeros before and between them (the header's
+    room too, written after), as writes of :data:`_CHUNK` bytes from multiples of it;
+    sets each entry's CRC. Writes that start on 2 MB boundaries leave the file in the
+    page cache in 2 MB folios, which the next load maps as huge pages (a write starting
+    at each weight left the 2 MB around each start in small ones, a fifth of a
+    Llama-3.2-1B shape's tiles)."""
+    window: list[memoryview] = []
+    pos = start = 0
+
+    def put(piece: memoryview) -> None:
+        nonlocal pos, start
+        while len(piece):
+            n = min(len(piece), _CHUNK - pos % _CHUNK)
+            window.append(piece[:n])
+            piece, pos = piece[n:], pos + n
+            if pos % _CHUNK == 0 or len(window) >= _WINDOW_PIECES:
+                _pwritev(fd, window, start)
+                window.clear()
+                start = pos
+
+    for e, a in weights:
+        if e.offset > pos:
+            put(memoryview(bytes(e.offset - pos)))
+        flat = a.reshape(-1)
+        crc = 0
+        for at in range(0, flat.size, _CHUNK):
+            chunk = memoryview(flat[at : at + _CHUNK])
+            crc = zlib.crc32(chunk, crc)
+            put(chunk)
+        e.crc = crc
+    if window:
+        _pwritev(fd, window, start)
+
+
+def _pwritev(fd: int, pieces: list[memoryview], offset: int) -> None:
+    """All of ``pieces``, one after the other, at ``offset`` of ``fd`` (in one call where
+    the system has ``pwritev``)."""
+    if not hasattr(os, "pwritev"):  # Windows
+        for piece in pieces:
+            os.lseek(fd, offset, os.SEEK_SET)
+            while len(piece):
+                n = os.write(fd, piece)
+                piece, offset = piece[n:], offset + n
+        return
+    pieces = list(pieces)
+    while pieces:
+        n = os.pwritev(fd, pieces, offset)
+        offset += n
+        while pieces and n >= len(pieces[0]):
+            n -= len(pieces.pop(0))
+        if pieces:
+            pieces[0] = pieces[0][n:]
 
 
 def _tile_files(directory: Path) -> list[Path]:

@@ -217,7 +217,8 @@ def _aligned(shape: tuple[int, ...]) -> np.ndarray:
     pages faulted in by the threads that repack into it. (Through numpy's allocator,
     which asks for huge pages, or with ``MADV_HUGEPAGE``: the kernel compacted memory
     at each fault when the page cache held the file, 6.5 s for the 4.8 GB of the
-    Qwen2-7B shape's tiles; in plain pages, by two threads, about 1.)"""
+    Qwen2-7B shape's tiles; in plain pages, by two threads, about 1. Once written they
+    are left to khugepaged: :func:`_huge_pages_later`.)"""
     size = int(np.prod(shape))
     if hasattr(mmap, "MAP_ANONYMOUS"):
         buf = mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -291,7 +292,21 @@ def repack_parts(
             if release is not None:
                 release([p])  # the pages across chunk ends
             first += count
+    _huge_pages_later(out)
     return out
+
+
+def _huge_pages_later(a: np.ndarray) -> None:
+    """Let the kernel's khugepaged move ``a`` (:func:`_aligned`, every page written) into
+    huge pages in the background, a few MB a second: a weight read at batch 1 is about
+    1.16x faster from huge pages. (Not at the faults: see :func:`_aligned`.)"""
+    buf = a.base
+    while isinstance(buf, np.ndarray):
+        buf = buf.base
+    if isinstance(buf, memoryview):
+        buf = buf.obj
+    if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
 
 
 def _q4_k_block(f: _Frame, blk, r_a):

@@ -39,6 +39,7 @@ import pytest
 
 from engine.units import peak_rss_bytes
 from tests.engine.gguf_mutator import mutations, parse_layout, write_base_model
+from tests.smaps import mappings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEED = 13
@@ -264,12 +265,4 @@ def _peak_since(rss_before: int) -> int:
 
 def _mapped_bytes(path: Path) -> int:
     """Resident bytes of every mapping of ``path`` in this process."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if fields and "-" in fields[0] and not fields[0].endswith(":"):
-                inside = len(fields) >= 6 and fields[5] == str(path)
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
+    return sum(m.kb["Rss"] * 1024 for m in mappings() or [] if m.path == str(path))

@@ -3,6 +3,8 @@ app shows these figures before the user switches) against what loading then keep
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -12,6 +14,7 @@ from engine.model.loader import load_model
 from engine.model.weight_modes import USER_WEIGHT_MODES, resident_weight_bytes
 from tests.engine.test_forward_tiny import FILE_MIXES
 from tests.engine.tiny_models import make_hf_model, write_gguf
+from tests.smaps import covering
 
 
 @pytest.fixture(scope="module", params=[("llama", False), ("qwen2", True)], ids=["untied", "tied"])
@@ -47,18 +50,8 @@ def test_int4_is_not_estimated():
 def _mapping_rss(address: int) -> int | None:
     """Resident bytes of the mapping starting at ``address`` (/proc/self/smaps), or None
     where there is no such file."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()
-        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
-            inside = int(head[0].split("-")[0], 16) == address
-        elif inside and line.startswith("Rss:"):
-            return int(head[1]) * 1024
-    return None
+    found = covering(address, 1)
+    return None if found is None else sum(m.kb["Rss"] * 1024 for m in found)
 
 
 def test_prefault_maps_every_page_of_the_file(q4_k_m_file):
@@ -72,3 +65,24 @@ def test_prefault_maps_every_page_of_the_file(q4_k_m_file):
     gf.prefault()
     size = q4_k_m_file.stat().st_size
     assert _mapping_rss(address) >= size - 4096 > before
+
+
+def test_prefault_asks_for_huge_pages_where_it_reads_and_nowhere_else(q4_k_m_file):
+    """What prefault reads is marked MADV_HUGEPAGE (read from the disk in 2 MB folios,
+    mapped as huge pages); a skipped view (weights repacked into tiles) is not, so its
+    pages are not brought back in 2 MB at a time."""
+    gf = GGUFFile(q4_k_m_file)
+    base = np.frombuffer(gf._map, np.uint8).ctypes.data
+    if not hasattr(mmap, "MADV_HUGEPAGE") or covering(base, 1) is None:
+        pytest.skip("no MADV_HUGEPAGE or /proc/self/smaps on this system")
+    name = max(gf.tensors, key=lambda n: gf.tensors[n].nbytes)
+    view = gf.tensor_bytes(name)
+    lo, hi = gf._pages_of(view)
+    assert hi - lo >= 2 * mmap.PAGESIZE
+    gf.prefault(skip=(view,))
+    found = covering(base, gf.file_size)
+    hole = [m for m in found if m.start >= base + lo and m.end <= base + hi]
+    rest = [m for m in found if m.end <= base + lo or m.start >= base + hi]
+    assert sum(m.end - m.start for m in hole) == hi - lo
+    assert all("hg" not in m.flags for m in hole)
+    assert rest and all("hg" in m.flags for m in rest)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kernels.quant.tiles import (
     tiles_supported,
 )
 from kernels.quant.weight import QuantWeight
+from tests.smaps import covering
 
 K = 768
 
@@ -145,6 +148,20 @@ def test_fused_parts_each_start_a_tile():
         alone, _ = _product(repack_parts([raw]), raw.shape[0], x)
         assert np.array_equal(out[:, first : first + raw.shape[0]], alone)
         first += -(-raw.shape[0] // TILE_ROWS) * TILE_ROWS
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0])
+def test_repacked_tiles_are_left_to_move_into_huge_pages(qtype):
+    """Tiles are written into small pages (faulting huge ones in compacted memory for
+    seconds), then marked MADV_HUGEPAGE as a whole, for the kernel's khugepaged to move
+    them into huge pages in the background (a weight read at batch 1 is faster there)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or covering(0, 1) is None:
+        pytest.skip("no MADV_HUGEPAGE or /proc/self/smaps on this system")
+    raw = random_blocks(qtype, 64, K * 4, np.random.default_rng(9))
+    tiles = repack_parts([raw], qtype.name)
+    (mapping,) = covering(tiles.ctypes.data, tiles.nbytes)
+    assert mapping.start <= tiles.ctypes.data and tiles.ctypes.data + tiles.nbytes <= mapping.end
+    assert "hg" in mapping.flags
 
 
 def _fused_qkv(rng) -> tuple[list[np.ndarray], list[QuantWeight]]:
