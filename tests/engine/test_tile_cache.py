@@ -115,6 +115,24 @@ def test_a_kept_tile_file_is_read_through_huge_pages(tmp_path):
         assert np.array_equal(a, want)
 
 
+def test_a_system_without_pwritev_writes_the_same_file(tmp_path, monkeypatch):
+    """Where there is no ``os.pwritev`` (Windows) each piece is written with its own
+    seek and write: the same bytes, read back by the next load."""
+    model = _Model(tmp_path / "m.gguf", rows=(3000, 2000))
+    first = model.cache(tmp_path / "a")
+    model.load(first)
+    first.save(wait=True)
+    monkeypatch.setattr(tc, "_CHUNK", 1 << 20)  # writes cut inside weights, too
+    monkeypatch.delattr(os, "pwritev")
+    second = model.cache(tmp_path / "b")
+    model.load(second)
+    second.save(wait=True)
+    assert second.path.read_bytes() == first.path.read_bytes()
+    third = model.cache(tmp_path / "b")
+    assert all(np.array_equal(a, b) for a, b in zip(model.load(third), model.expected()))
+    assert third.hits == 2
+
+
 def test_tiles_of_rows_in_another_order_are_kept_apart(tmp_path):
     """A weight tiled with its rows in an order (llama's q/k: kernels/quant/linear.py
     `_row_orders`) is another entry than the same bytes in file order: a cache written
