@@ -370,14 +370,17 @@ def _load_gguf(
         threading.Thread(
             target=gf.prefault, kwargs={"skip": skip}, name="folio-prefault", daemon=True
         ).start()
-        if tile_cache is not None:
-            tile_cache.save()  # on a thread: what was repacked, for the next load
     else:
         embedding, lm_head = _dense_embedding_and_head(dense, linear, gf, weight_mode, head_bits)
     factors = dense("rope_freqs.weight").float() if "rope_freqs.weight" in gf.tensors else None
     model = Transformer(
         config, embedding, layers, norm("output_norm.weight"), lm_head, factors, dtype
     )
+    if tile_cache is not None:
+        # on a thread: what was repacked, for the next load; once written, this model reads
+        # its tiles from the file too (huge pages, the page cache's copy) and the repacked
+        # copies are freed
+        tile_cache.save(then=model.rebind_tiles)
     gf.drop_arrays()  # the file stays open for the embedding's rows, its vocabulary need not
     return LoadedModel(
         path=path,

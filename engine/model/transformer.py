@@ -404,6 +404,18 @@ class Transformer:
             return len(head.parts) == 1 and head.parts[0] is table.weight
         return isinstance(head, Linear) and head.weight is table
 
+    def _layer_linears(self) -> list:
+        return [
+            lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+
+    def rebind_tiles(self, views: dict[int, np.ndarray]) -> int:
+        """Every projection and the head read their tiles from ``views`` where it holds
+        them (:meth:`BlockLinear.rebind_tiles`: a tile file just written, mapped); how many
+        weights moved."""
+        linears = [*self._layer_linears(), self.lm_head]
+        return sum(lin.rebind_tiles(views) for lin in linears if isinstance(lin, BlockLinear))
+
     def weight_bytes(self) -> int:
         table = self.embedding
         n = (
@@ -414,9 +426,8 @@ class Transformer:
         if not self._head_is_embedding():
             n += self.lm_head.nbytes()  # a separate head, or the int8 copy of a tied one
         n += self.final_norm.numel() * self.final_norm.element_size()
+        n += sum(lin.nbytes() for lin in self._layer_linears())
         for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                n += lin.nbytes()
             for t in (
                 layer.attn_norm,
                 layer.mlp_norm,

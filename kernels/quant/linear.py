@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -219,6 +219,20 @@ class BlockLinear(PartsLinear):
     def repacked(self) -> list[QuantWeight]:
         """The parts held as tiles (their file bytes are not read again)."""
         return [p for g in self._groups if g.tiles is not None for p in g.parts]
+
+    def rebind_tiles(self, views: Mapping[int, np.ndarray]) -> int:
+        """Read each group's tiles from ``views`` (keyed by the address of the array it
+        reads now: the same bytes elsewhere, a tile file's mapping) where that holds an
+        array of the same shape; how many groups moved. A call under way keeps the arrays
+        it took, the next takes the new ones, and the old are freed once unreferenced."""
+        groups, moved = [], 0
+        for g in self._groups:
+            new = None if g.tiles is None else views.get(g.tiles.ctypes.data)
+            if new is not None and new.shape == g.tiles.shape:
+                g, moved = replace(g, tiles=new), moved + 1
+            groups.append(g)
+        self._groups = groups
+        return moved
 
     @property
     def prefills_in_row_chunks(self) -> bool:

@@ -224,7 +224,9 @@ def test_a_full_disk_leaves_no_file_and_says_so(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tc, "_pwritev", full)
-    cache.save(wait=True)
+    rebound = []
+    cache.save(wait=True, then=rebound.append)
+    assert rebound == []  # nothing to read from
     assert "No space left on device" in cache.status and "next load repacks" in cache.status
     assert list((tmp_path / "tiles").iterdir()) == []
     assert all(np.array_equal(a, b) for a, b in zip(tiles, model.expected()))
@@ -312,6 +314,55 @@ def test_a_model_loaded_again_maps_its_tiles_and_computes_the_same_bits(tmp_path
     )
     assert second.tile_cache.hits >= tiled > 0
     assert torch.equal(logits(first), logits(second))
+
+
+def test_a_first_load_reads_its_tiles_from_the_file_once_written(tmp_path, monkeypatch):
+    """A load that repacked its weights reads them from the tile file once that is
+    written (the page cache's copy: huge pages, shared), its repacked copies then freed;
+    its logits do not change."""
+    from engine.model.loader import load_model
+    from tests.engine.test_forward_tiny import FILE_MIXES, _folio_logits
+    from tests.engine.tiny_models import make_hf_model, write_gguf
+
+    monkeypatch.setenv("FOLIO_TILES_DIR", str(tmp_path / "tiles"))
+    model = make_hf_model("llama", seed=3, tie_word_embeddings=True, hidden_size=256)
+    write_gguf(model, tmp_path / "m.gguf", FILE_MIXES["Q4_K_M"], default=Q.Q4_K, seed=4)
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2)
+    )
+    saves = []  # the load's save, held back so the repacked arrays are read first
+    real_save = TileCache.save
+    monkeypatch.setattr(TileCache, "save", lambda cache, **kw: saves.append((cache, kw)))
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    linears = [
+        lin
+        for layer in loaded.model.layers
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ] + [loaded.model.lm_head]
+
+    def tiles():
+        return [
+            g.tiles for lin in linears for g in getattr(lin, "_groups", ()) if g.tiles is not None
+        ]
+
+    def files(arrays):
+        return {m.path for a in arrays for m in covering(a.ctypes.data, a.nbytes) or []}
+
+    repacked = tiles()
+    assert len(repacked) >= 2 * len(loaded.model.layers) + 1  # the layers' and the head's
+    if covering(0, 1) is not None:
+        assert files(repacked) == {""}  # anonymous memory
+    before = _folio_logits(loaded, ids, chunks=(9, 1, 1))
+    ((cache, kw),) = saves
+    real_save(cache, wait=True, **kw)
+    mapped = tiles()
+    assert len(mapped) == len(repacked)
+    assert not {a.ctypes.data for a in mapped} & {a.ctypes.data for a in repacked}
+    assert all(np.array_equal(a, b) for a, b in zip(mapped, repacked))
+    if covering(0, 1) is not None:
+        assert files(mapped) == {str(cache.path)}
+    del repacked
+    assert torch.equal(_folio_logits(loaded, ids, chunks=(9, 1, 1)), before)
 
 
 def test_deleting_a_model_deletes_its_tiles_and_says_how_much(tmp_path, monkeypatch):
