@@ -3,7 +3,12 @@ resident, and how (huge pages, madvise flags)."""
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
 
 
 @dataclass
@@ -44,3 +49,34 @@ def covering(address: int, nbytes: int) -> list[Mapping] | None:
     if every is None:
         return None
     return [m for m in every if m.start < address + nbytes and m.end > address]
+
+
+def huge_bytes_of(path: Path, advise: bool = False) -> int:
+    """Bytes of ``path`` that a read-only mapping of it, every page read, maps as huge
+    pages (``FilePmdMapped``: 2 MB folios in the page cache); ``advise``: the mapping
+    marked ``MADV_HUGEPAGE`` first (what is not cached then comes in 2 MB folios)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    if advise:
+        data.madvise(mmap.MADV_HUGEPAGE)
+    a = np.frombuffer(data, np.uint8)
+    a[::4096].sum()
+    huge = sum(m.kb.get("FilePmdMapped", 0) for m in covering(a.ctypes.data, a.nbytes) or [])
+    del a
+    data.close()
+    return huge * 1024
+
+
+def maps_file_huge_pages(directory: Path) -> bool:
+    """Whether this kernel maps the cached pages of a file in ``directory`` (written in one
+    4 MB write) as huge pages: Linux 6.x on a filesystem with large folios (ext4, xfs)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or mappings() is None:
+        return False
+    probe = Path(directory) / "huge-page-probe"
+    with open(probe, "wb") as f:
+        os.pwrite(f.fileno(), b"\x01" * (4 << 20), 0)
+    try:
+        return huge_bytes_of(probe, advise=True) > 0
+    finally:
+        probe.unlink()

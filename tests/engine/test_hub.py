@@ -61,6 +61,7 @@ from engine.hub.token import load_token, save_token
 from engine.hub.transfer import CancelToken, DownloadState, download_model, pending_downloads
 from folio.main import main
 from tests.engine.hub_server import COMMIT, FakeHub
+from tests.smaps import huge_bytes_of, maps_file_huge_pages
 
 GGUF_REPO = "folio-test/Tiny-GGUF"
 ST_REPO = "folio-test/Tiny-Safetensors"
@@ -248,8 +249,7 @@ def test_the_fit_prices_the_runtime_for_the_vocabulary():
     plan = CachePlan(context_tokens=1024, page_size=256)
     kv = kv_bytes_per_token(30, 3, 64, 16, 16)
     small, unknown, big = (
-        estimate_fit(gb, kv, plan, free_bytes=4 * gb, vocab_size=v)
-        for v in (49_152, None, 262_144)
+        estimate_fit(gb, kv, plan, free_bytes=4 * gb, vocab_size=v) for v in (49_152, None, 262_144)
     )
     assert small.need_bytes < unknown.need_bytes < big.need_bytes
     assert big.need_bytes - small.need_bytes == RUNTIME_BYTES_PER_VOCAB_TOKEN * 212_992
@@ -455,6 +455,7 @@ def test_disk_full_keeps_the_partial_and_a_restart_resumes(hub, gguf_bytes, tmp_
         real_write(fh, data)
 
     monkeypatch.setattr(transfer, "_write_chunk", fills_up)
+    monkeypatch.setattr(transfer, "SPAN", 4096)  # writes of 4 KB: the disk fills mid-file
     candidate = list_repo_models(GGUF_REPO).candidate("tiny.Q8_0.gguf")
     with pytest.raises(DiskFullError) as info:
         download_model(candidate)
@@ -471,6 +472,21 @@ def test_disk_full_keeps_the_partial_and_a_restart_resumes(hub, gguf_bytes, tmp_
     assert done.state == DownloadState.DONE and done.path.read_bytes() == gguf_bytes["q8"]
     assert done.resumed_bytes == written[0]
     assert hub.bytes_served[(GGUF_REPO, "tiny.Q8_0.gguf")] - served == size - written[0]
+
+
+def test_a_download_reaches_the_disk_in_2_mb_spans(hub, gguf_bytes, tmp_path):
+    """Downloaded bytes are written in spans that end on 2 MB boundaries, so the page
+    cache holds the file in 2 MB folios, mapped as huge pages (on CPUs without tiles the
+    weights are read in place from it). Written as the network's chunks came, none were."""
+    if not maps_file_huge_pages(tmp_path):
+        pytest.skip("this kernel keeps a file's cached pages in small folios here")
+    noise = np.random.default_rng(3).integers(0, 256, 9 << 20, dtype=np.uint8).tobytes()
+    data = gguf_bytes["q8"] + noise
+    hub.add_repo("folio-test/Big-GGUF", {"big.Q8_0.gguf": data})
+    path = download_model(list_repo_models("folio-test/Big-GGUF").candidate("big.Q8_0.gguf"))
+    assert path.read_bytes() == data
+    whole = len(data) // transfer.SPAN * transfer.SPAN
+    assert huge_bytes_of(path) >= whole - transfer.SPAN  # all but at most one 2 MB stretch
 
 
 def test_cancel_token_stops_before_any_bytes(hub, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from engine.model import tile_cache as tc
 from engine.model.tile_cache import TileCache, delete_files, file_for
 from kernels.quant.bench import random_blocks
 from kernels.quant.tiles import repack_parts, tiles_supported
-from tests.smaps import covering
+from tests.smaps import covering, maps_file_huge_pages
 
 MB = 1 << 20
 
@@ -70,34 +69,13 @@ def test_a_second_load_maps_the_tiles_the_first_repacked(tmp_path):
         assert b.ctypes.data % 64 == 0
 
 
-def _maps_file_huge_pages(directory) -> bool:
-    """Whether this kernel maps the cached pages of a file in ``directory`` (written in one
-    4 MB write) as huge pages: Linux 6.x on a filesystem with large folios (ext4, xfs)."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    probe = directory / "probe"
-    with open(probe, "wb") as f:
-        os.pwrite(f.fileno(), b"\x01" * (4 * MB), 0)
-    with open(probe, "rb") as f:
-        data = mmap.mmap(f.fileno(), 4 * MB, access=mmap.ACCESS_READ)
-    data.madvise(mmap.MADV_HUGEPAGE)
-    a = np.frombuffer(data, np.uint8)
-    a[::4096].sum()
-    found = covering(a.ctypes.data, a.nbytes) or []
-    huge = sum(m.kb.get("FilePmdMapped", 0) for m in found)
-    del a
-    data.close()
-    probe.unlink()
-    return huge > 0
-
-
 def test_a_kept_tile_file_is_read_through_huge_pages(tmp_path):
     """The tile file is written in 64 MB writes from multiples of 64 MB (the page cache
     then holds it in 2 MB folios) and mapped with MADV_HUGEPAGE (what is not cached is
     read in 2 MB folios): a later load reads its tiles through huge pages, as good as all
     of them (one token's weights read 1.16x faster at the Llama-3.2-1B shape). Written a
     weight at a time, the 2 MB around each weight's start stayed in small folios."""
-    if not _maps_file_huge_pages(tmp_path):
+    if not maps_file_huge_pages(tmp_path):
         pytest.skip("this kernel keeps a file's cached pages in small folios here")
     model = _Model(tmp_path / "m.gguf", rows=(30000, 20000))
     first = model.cache(tmp_path / "tiles")
