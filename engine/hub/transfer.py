@@ -287,7 +287,7 @@ class _SpanWriter:
     """Downloaded bytes written to ``fh`` (a file at offset ``at``) in writes that end on
     multiples of :data:`SPAN` (2 MB), all but the first starting on one, the rest at
     :meth:`flush`. Linux's page cache then holds the file in 2 MB folios (a write's folios
-    follow its start and length; the network's 16-64 KB chunks left small ones), which
+    follow its start and length; the network's chunks, at most 64 KB, left small ones), which
     it maps as huge pages: on CPUs without Folio's tiles the weights are read in place
     from the mapped file, at batch 1 1.17x faster from huge pages (Llama-3.2-1B shape
     Q4_K_M, the AVX2 kernels: decode 18.1-18.3 against 21.2-21.5 tok/s)."""
