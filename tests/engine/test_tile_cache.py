@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -332,7 +333,19 @@ def test_a_first_load_reads_its_tiles_from_the_file_once_written(tmp_path, monke
         assert files(repacked) == {""}  # anonymous memory
     before = _folio_logits(loaded, ids, chunks=(9, 1, 1))
     ((cache, kw),) = saves
+    during = []  # forwards running while the save swaps the arrays under them
+
+    def forwards():
+        while not done.is_set() or not during:
+            during.append(_folio_logits(loaded, ids, chunks=(9, 1, 1)))
+
+    done = threading.Event()
+    runner = threading.Thread(target=forwards)
+    runner.start()
     real_save(cache, wait=True, **kw)
+    done.set()
+    runner.join()
+    assert during and all(torch.equal(x, before) for x in during)
     mapped = tiles()
     assert len(mapped) == len(repacked)
     assert not {a.ctypes.data for a in mapped} & {a.ctypes.data for a in repacked}
