@@ -318,7 +318,8 @@ class TileCache:
         made: int,
         then: Callable[[dict[int, np.ndarray]], object] | None,
     ) -> None:
-        """:meth:`_write`, then ``then`` with the file's copies of the first ``made``."""
+        """:meth:`_write`, then ``then`` with the file's copies of the first ``made`` (at
+        the offsets :meth:`_write` gave them)."""
         if not self._write(weights) or then is None:
             return
         try:
@@ -328,13 +329,10 @@ class TileCache:
             return
         if entries is None:
             return
-        where = {e.key: e for e in entries}
-        views = {}
-        for e, a in weights[:made]:
-            w = where.get(e.key)
-            if w is not None and w.shape == a.shape:
-                view = np.frombuffer(data, np.uint8, a.nbytes, w.offset).reshape(a.shape)
-                views[a.ctypes.data] = view
+        views = {
+            a.ctypes.data: np.frombuffer(data, np.uint8, a.nbytes, e.offset).reshape(a.shape)
+            for e, a in weights[:made]
+        }
         moved = then(views)
         log.info("%s weights now read from %s", moved, self.path.name)
 

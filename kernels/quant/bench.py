@@ -367,7 +367,7 @@ def bench_tiles32(
     from kernels.quant.activations import two_level_activations
     from kernels.quant.matmul import decode_tasks, parts_kernel_args
     from kernels.quant.registry import quant_type
-    from kernels.quant.tiles import _aligned, repack_parts
+    from kernels.quant.tiles import _aligned, _huge_pages_later, repack_parts
     from kernels.quant.tiles32 import tile_rows32
 
     n, k = shape or TILE32_SHAPES[qtype]
@@ -375,10 +375,11 @@ def bench_tiles32(
     raw = random_blocks(qtype, n, k, rng)
 
     def in_pages():
-        # in 4 KB pages, as the tiles and the engine's mapped file are: numpy's copies
-        # get transparent huge pages, which one token alone reads 1.2-1.3x faster
+        # in the pages repack_parts gives the tiles (4 KB, then left to khugepaged): numpy's
+        # copies get transparent huge pages at once, which one token reads 1.2-1.3x faster
         out = _aligned(raw.shape)
         out[:] = raw
+        _huge_pages_later(out)
         return out
 
     blocks = _rotation(in_pages, raw.nbytes, cold_bytes)
