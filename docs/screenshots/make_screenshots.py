@@ -134,7 +134,7 @@ def main(out: Path) -> None:
     window = MainWindow(Store(folder / "chats.sqlite3"), settings)
     window.resize(*WINDOW_SIZE)
     window.show()
-    window.use_loaded(load_model(ensure_default_model(), weight_mode="int4"))
+    window.use_loaded(load_model(ensure_default_model()))  # the default weight mode
     wait(app, lambda: window.bridge.ready)
 
     # Chat 1 answers in full; chat 2 (same system prompt, so its first pages are hits)
