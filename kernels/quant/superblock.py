@@ -19,10 +19,11 @@ each token's activation vectors loaded once for both (:data:`ROW_GROUP`). A proj
 two levels of int8 (:func:`~kernels.quant.activations.
 quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
 ``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
-Above :data:`FEW_TOKENS` tokens on AVX-512 VNNI, Q4_K and Q6_K take that integer
-directly (:func:`wide_pairs`): the two levels as one int16 per element, the codes times
-their scales as int16 once per row, one ``vpdpwssd`` per 32 elements and token where the
-two int8 levels take four instructions per 64, and the same value rounded once. Q6_K's
+Above :data:`FEW_TOKENS` tokens on every x86 instruction set here, Q4_K and Q6_K take
+that integer directly (:func:`wide_pairs`): the two levels as one int16 per element, the
+codes times their scales as int16 once per row, one ``vpdpwssd`` (AVX-512 VNNI) or
+``vpmaddwd`` and an add (AVX2, AVX-VNNI) per 32 / 16 elements and token where the two
+int8 levels take four / six instructions per 64, and the same value rounded once. Q6_K's
 codes carry a zero point (32), taken off inside the integer products on every path
 (``vpmaddubsw`` of 32 and the activations subtracted from the pair sums, or the codes
 less 32 as int16), so its blocks have no offsets to sum apart.
@@ -119,9 +120,10 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc, ze
     paths fold the scales into the pair step: ``vpmaddubsw`` (u8 x i8 -> i16 pair sums;
     codes <= 63 and |x| <= 127 never saturate; with a zero point, less ``vpmaddubsw`` of
     ``zero`` and the same activations: |pair| <= 2 * 32 * 127) then ``vpmaddwd`` by
-    ``pair_scales`` (AVX2), or ``vpdpwssd`` accumulating straight into ``acc`` (VNNI): two
-    instructions per 64 bytes, where a ``vpdpbusd`` then a multiply of its lanes and an
-    add took three. The generic path multiplies the dot product's lanes."""
+    ``pair_scales`` and an add (AVX2, AVX-VNNI), or ``vpdpwssd`` accumulating straight
+    into ``acc`` (AVX-512 VNNI): two instructions per 64 bytes, where a ``vpdpbusd`` then
+    a multiply of its lanes and an add took three. The generic path multiplies the dot
+    product's lanes."""
     if isa == "generic":
         if zero:  # codes - zero fit in i8 (Q6_K: -32..31); |x| <= 127, so no sign overflow
             signed = builder.sub(codes, ir.Constant(codes.type, [zero] * codes.type.count))
@@ -143,12 +145,13 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc, ze
             pairs = builder.sub(pairs, shift)
         pairs = builder.bitcast(pairs, v16i)
         return builder.call(dpwssd, [acc, pairs, builder.bitcast(pair_scales, v16i)])
+    # AVX2, and AVX-VNNI the same way: its ``vpdpwssd`` accumulating into ``acc`` chained
+    # every chunk's product on the last one's (5 cycles each), where ``vpmaddwd`` then an
+    # add leaves a chain of adds (1B shape, Q4_K_M, AVX-VNNI on a Golden Cove Xeon, two
+    # threads: prefill 46-49 -> 85-90 tok/s with the int16 path below, decode 16.5 -> 18.8)
     v32, v16s, v8i = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [v32, v32])
-    if isa == "avxvnni":
-        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.256", v8i, [v8i, v8i, v8i])
-    else:
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
     halves = []
     for h in range(2):
         lo = list(range(32 * h, 32 * h + 32))
@@ -158,12 +161,35 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc, ze
             pairs = builder.sub(pairs, builder.call(maddubs, [ir.Constant(v32, [zero] * 32), x_h]))
         scale = _pick(builder, pair_scales, list(range(16 * h, 16 * h + 16)))
         acc_h = _pick(builder, acc, list(range(8 * h, 8 * h + 8)))
-        if isa == "avxvnni":
-            v = builder.bitcast
-            halves.append(builder.call(dpwssd, [acc_h, v(pairs, v8i), v(scale, v8i)]))
-        else:
-            halves.append(builder.add(acc_h, builder.call(maddwd, [pairs, scale])))
+        halves.append(builder.add(acc_h, builder.call(maddwd, [pairs, scale])))
     return _concat(builder, halves[0], halves[1])
+
+
+def _chunk_sums(builder, isa: str, terms, zero: int):
+    """``<16 x i32>``: the sum over a block's chunks (``terms``: codes, activations, lane
+    and pair scales each) of :func:`_scaled_lanes`. On AVX-512 VNNI each chunk's
+    ``vpdpwssd`` accumulates into the last one's; elsewhere each chunk alone, then added in
+    a tree, so that no chain of multiply-adds waits on the one before it (LLVM fuses an add
+    of ``vpmaddwd`` into AVX-VNNI's ``vpdpwssd`` where it can: a chain of four there cost a
+    prompt 1.8x). Integer sums: the same value either way."""
+    if isa == "avx512vnni" or isa == "generic":
+        isum = None
+        for codes, x, lanes, pairs in terms:
+            isum = _scaled_lanes(builder, isa, codes, x, lanes, pairs, isum, zero)
+        return isum
+    return _int_tree(
+        builder, [_scaled_lanes(builder, isa, c, x, ln, pr, None, zero) for c, x, ln, pr in terms]
+    )
+
+
+def _int_tree(builder, values: list):
+    """The sum of integer vectors ``values``, added pairwise in a balanced tree."""
+    while len(values) > 1:
+        values = [
+            builder.add(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+            for i in range(0, len(values), 2)
+        ]
+    return values[0]
 
 
 def _block_scales(builder, isa: str, sc, chunks) -> tuple[list, list]:
@@ -270,14 +296,19 @@ WIDE = 3
 # by int16 activations (|256 q_0 + q_1| <= 32,640), 16 products per lane and block:
 # Q4_K's reach 15 * 63 < 2^10, Q6_K's 32 * 128 = 2^12, so |a lane| <= 16 * 4,096 *
 # 32,640 = 2,139,095,040 < 2^31: exact in int32
-WIDE_PATHS = {("avx512vnni", "Q4_K"), ("avx512vnni", "Q6_K")}
+# On AVX2 / AVX-VNNI ``vpmaddwd`` and an add per 16 elements, where two levels take
+# ``vpmaddubsw``, ``vpmaddwd`` and an add per 32 and level (Q6_K: another ``vpmaddubsw``
+# and a subtraction for its zero point): 1B shape, Q4_K_M, AVX2 kernels, two threads,
+# prefill 70.7 / 73.1 -> 89.7 / 84.5 tok/s, S_TG B=16 53.3 / 55.8 -> 65.3 / 66.5
+WIDE_PATHS = {(isa, k) for isa in ("avx512vnni", "avxvnni", "avx2") for k in ("Q4_K", "Q6_K")}
 
 
 def wide_pairs(kind_name: str, tokens: int) -> bool:
     """Whether :func:`kblock_rows` takes ``tokens`` rows of two levels as int16
     activations (``levels`` :data:`WIDE`) for this kind on this CPU: one ``vpdpwssd`` per
-    32 elements and token, where the two int8 levels take two ``vpmaddubsw`` and two
-    ``vpdpwssd`` per 64 (unpacking, once per row, multiplies the codes by their scales)."""
+    32 elements and token (AVX-512 VNNI; AVX2 and AVX-VNNI a ``vpmaddwd`` and an add per
+    16), where the two int8 levels take two ``vpmaddubsw`` and two ``vpdpwssd`` per 64
+    (unpacking, once per row, multiplies the codes by their scales)."""
     return tokens > FEW_TOKENS and (HOST_ISA, kind_name) in WIDE_PATHS
 
 
@@ -296,20 +327,34 @@ def _wide_codes(builder, codes, pair_scales, zero: int):
     return out
 
 
-def _wide_isum(builder, wide_codes, xs):
+def _wide_isum(builder, isa: str, wide_codes, xs):
     """float ``<16 x float>`` of the lanes' exact integer sums: each chunk's two i16 code
     vectors times the token's two i16 activation vectors (256 x level 0 + level 1).
     The same value, rounded once, as ``fma(float(isum_0), 256, float(isum_1))``: the same
-    bits as the two-level path."""
+    bits as the two-level path. AVX-512 VNNI: ``vpdpwssd`` of 512 bits; AVX2 and AVX-VNNI
+    (see :func:`_scaled_lanes`): ``vpmaddwd`` and an add on each 256-bit half (lane ``j``
+    the pairs ``2j, 2j + 1`` either way: the same integers)."""
     v16i = _vec(I32, 16)
-    dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
-    isum = ir.Constant(v16i, None)
+    if isa == "avx512vnni":
+        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+        isum = ir.Constant(v16i, None)
+        for codes, x in zip(wide_codes, xs):
+            for h in range(2):
+                isum = builder.call(
+                    dpwssd, [isum, builder.bitcast(codes[h], v16i), builder.bitcast(x[h], v16i)]
+                )
+        return builder.sitofp(isum, _vec(F32, 16))
+    v8i, v16s = _vec(I32, 8), _vec(I16, 16)
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
+    products = [[], []]  # lanes 0-7, 8-15: added in a tree (:func:`_chunk_sums`)
     for codes, x in zip(wide_codes, xs):
         for h in range(2):
-            isum = builder.call(
-                dpwssd, [isum, builder.bitcast(codes[h], v16i), builder.bitcast(x[h], v16i)]
-            )
-    return builder.sitofp(isum, _vec(F32, 16))
+            for q in range(2):  # i16 elements 16q .. 16q + 15: lanes 8q .. 8q + 7
+                part = list(range(16 * q, 16 * q + 16))
+                c, a = _pick(builder, codes[h], part), _pick(builder, x[h], part)
+                products[q].append(builder.call(maddwd, [c, a]))
+    halves = [_int_tree(builder, p) for p in products]
+    return builder.sitofp(_concat(builder, halves[0], halves[1]), _vec(F32, 16))
 
 
 @intrinsic
@@ -399,12 +444,8 @@ def kblock_dot(
 
         def isum_of(unpacked, xs):
             _, _, _, codes, lanes, pairs = unpacked
-            isum = None
-            for c, xv in enumerate(xs):
-                isum = _scaled_lanes(
-                    builder, isa_name, codes[c], xv, lanes[c], pairs[c], isum, zero
-                )
-            return builder.sitofp(isum, v16)
+            terms = [(codes[c], xv, lanes[c], pairs[c]) for c, xv in enumerate(xs)]
+            return builder.sitofp(_chunk_sums(builder, isa_name, terms, zero), v16)
 
         def rows_step(blk, ws):
             """Weight rows ``ws`` (1 or 2) of block ``blk`` unpacked, then each token's
@@ -441,7 +482,7 @@ def kblock_dot(
                 for w, unpacked in zip(ws, rows):
                     d, dm, mins = unpacked[:3]
                     if n_levels == WIDE:
-                        total = _wide_isum(builder, unpacked[3], xs)
+                        total = _wide_isum(builder, isa_name, unpacked[3], xs)
                     elif n_levels == 2:
                         total = _fma(
                             builder,
@@ -562,13 +603,11 @@ def kblock_pass(
 
             def isum_of(r):
                 xb = builder.add(xr[r], builder.mul(blk, I64(256)))
-                isum = None
-                for c, (codes, span, _) in enumerate(chunks):
-                    xv = _chunk_activations(builder, xb, span)
-                    isum = _scaled_lanes(
-                        builder, isa_name, codes, xv, lanes[c], pairs[c], isum, zero
-                    )
-                return builder.sitofp(isum, v16)
+                terms = [
+                    (codes, _chunk_activations(builder, xb, span), lanes[c], pairs[c])
+                    for c, (codes, span, _) in enumerate(chunks)
+                ]
+                return builder.sitofp(_chunk_sums(builder, isa_name, terms, zero), v16)
 
             for j in range(n_out):
                 if pair:

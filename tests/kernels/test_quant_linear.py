@@ -159,7 +159,8 @@ def test_k_quant_only_projections_skip_the_per_32_format():
     coarse = 64 if tiles_supported("Q4_K") else 0
     tol = 1e-5 * np.abs(got).max()
     assert np.allclose(got[:, coarse:], want[:, coarse:], rtol=1e-5, atol=tol)
-    assert np.abs(got[:, :coarse] - want[:, :coarse]).max() < 100 * tol
+    if coarse:  # (none without the tiles: an empty slice has no maximum)
+        assert np.abs(got[:, :coarse] - want[:, :coarse]).max() < 100 * tol
     with pytest.raises(ValueError, match="per 32"):
         decode_matmul(quantize_super_blocks(x.numpy()), _weight(Q.Q8_0, 32, 3)[0])
 

@@ -358,10 +358,12 @@ def test_codegen_for_other_cpus(isa, cpu, want, absent, signed):
 
 
 # The super-block kernels fold the sub-block scales into the pair step: vpmaddubsw, then
-# vpdpwssd (VNNI) or vpmaddwd (AVX2), with no vpdpbusd and no multiply of 32-bit lanes
-# in the inner loop (vpmulld: only the block's offsets, 8 or 16 lanes, per block and row).
+# vpdpwssd (AVX-512 VNNI) or vpmaddwd and an add (AVX2; AVX-VNNI too, each chunk's added
+# in a tree, where LLVM may fuse an add into AVX-VNNI's vpdpwssd), with no vpdpbusd and no
+# multiply of 32-bit lanes in the inner loop (vpmulld: only the block's offsets, 8 or 16
+# lanes, per block and row).
 _SUPERBLOCK_CPUS = [
-    ("avxvnni", "alderlake", r"\{vex\}\s+vpdpwssd", "zmm|vpdpbusd"),
+    ("avxvnni", "alderlake", r"vpmaddwd|\{vex\}\s+vpdpwssd", "zmm|vpdpbusd"),
     ("avx512vnni", "znver4", r"vpdpwssd\s[^\n]*%zmm", "vpdpbusd|vpmaddwd"),
     ("avx2", "haswell", r"vpmaddwd", "zmm|vpdpwssd"),
 ]
@@ -393,10 +395,19 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
     assert not re.search(absent, asm)
 
 
+_WIDE_CPUS = [
+    ("avx512vnni", "znver4", r"vpdpwssd\s[^\n]*%zmm", r"vpmullw\s[^\n]*%zmm", "vpmaddwd"),
+    ("avxvnni", "alderlake", r"vpmaddwd\s[^\n]*%ymm|vpdpwssd", r"vpmullw\s[^\n]*%ymm", "zmm"),
+    ("avx2", "haswell", r"vpmaddwd\s[^\n]*%ymm", r"vpmullw\s[^\n]*%ymm", "zmm|vpdpwssd"),
+]
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_wide_codegen(kind):
-    """Two levels as int16 (Q4_K, Q6_K on AVX-512 VNNI): one vpdpwssd per 32 elements and
-    token, no vpmaddubsw (the codes are multiplied by their scales once, as i16)."""
+@pytest.mark.parametrize(("isa", "cpu", "dot", "scale", "absent"), _WIDE_CPUS)
+def test_wide_codegen(kind, isa, cpu, dot, scale, absent):
+    """Two levels as int16 (Q4_K, Q6_K, more than FEW_TOKENS tokens): one vpdpwssd per 32
+    elements and token (AVX-512 VNNI), or a vpmaddwd and an add per 16 (AVX2, AVX-VNNI),
+    no vpmaddubsw (the codes are multiplied by their scales once, as i16)."""
     import re
 
     from numba import types
@@ -404,10 +415,10 @@ def test_wide_codegen(kind):
     from kernels.quant.superblock import KBLOCK_CODES, WIDE, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 16 + [lit(ISA_CODES["avx512vnni"]), lit(KBLOCK_CODES[kind]), lit(WIDE)]
-    asm = _asm_for(kblock_dot, argtypes, "znver4")
-    assert re.search(r"vpdpwssd\s[^\n]*%zmm", asm) and re.search(r"vpmullw\s[^\n]*%zmm", asm)
-    assert not re.search("vpmaddubsw|vpdpbusd", asm)
+    argtypes = [u] * 16 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(WIDE)]
+    asm = _asm_for(kblock_dot, argtypes, cpu)
+    assert re.search(dot, asm) and re.search(scale, asm)
+    assert not re.search(f"vpmaddubsw|vpdpbusd|{absent}", asm)
 
 
 @pytest.mark.parametrize("rows", [3, 11])
@@ -444,7 +455,7 @@ def test_wide_kernel_gives_the_two_level_bits(qtype, tokens):
     from kernels.quant.superblock import WIDE, wide_pairs
 
     if not wide_pairs(qtype.name, tokens):
-        pytest.skip("this CPU has no AVX-512 VNNI: the int16 path is not used here")
+        pytest.skip("no x86 SIMD here (the generic kernels): the int16 path is not used")
     kind = quant_type(qtype)
     raw, _ = _weight(qtype, 70, 1024, seed=21)
     if qtype == Q.Q6_K:  # rows 0-9 at the extremes: codes 0 (-32) or 63, scales -128 / 127
