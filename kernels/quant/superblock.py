@@ -146,9 +146,8 @@ def _scaled_lanes(builder, isa: str, codes, x, lane_scales, pair_scales, acc, ze
         pairs = builder.bitcast(pairs, v16i)
         return builder.call(dpwssd, [acc, pairs, builder.bitcast(pair_scales, v16i)])
     # AVX2, and AVX-VNNI the same way: its ``vpdpwssd`` accumulating into ``acc`` chained
-    # every chunk's product on the last one's (5 cycles each), where ``vpmaddwd`` then an
-    # add leaves a chain of adds (1B shape, Q4_K_M, AVX-VNNI on a Golden Cove Xeon, two
-    # threads: prefill 46-49 -> 85-90 tok/s with the int16 path below, decode 16.5 -> 18.8)
+    # every chunk's product on the last one's (5 cycles each; :func:`_chunk_sums` adds the
+    # chunks in a tree instead)
     v32, v16s, v8i = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [v32, v32])
     maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
@@ -170,8 +169,9 @@ def _chunk_sums(builder, isa: str, terms, zero: int):
     and pair scales each) of :func:`_scaled_lanes`. On AVX-512 VNNI each chunk's
     ``vpdpwssd`` accumulates into the last one's; elsewhere each chunk alone, then added in
     a tree, so that no chain of multiply-adds waits on the one before it (LLVM fuses an add
-    of ``vpmaddwd`` into AVX-VNNI's ``vpdpwssd`` where it can: a chain of four there cost a
-    prompt 1.8x). Integer sums: the same value either way."""
+    of ``vpmaddwd`` into AVX-VNNI's ``vpdpwssd`` where it can; the chain through it cost
+    the 1B shape's decode on AVX-VNNI 16.5-16.7 against 18.4-18.9 tok/s, S_TG at 4
+    sequences 28 against 38). Integer sums: the same value either way."""
     if isa == "avx512vnni" or isa == "generic":
         isum = None
         for codes, x, lanes, pairs in terms:
