@@ -1,4 +1,5 @@
-"""The prompt kernel of Q4_K and Q6_K on AVX-512 VNNI: weight rows in vector lanes.
+"""The prompt kernel of Q4_K and Q6_K on AVX-512 VNNI, AVX-VNNI and AVX2: weight rows in
+vector lanes.
 
 :func:`~kernels.quant.superblock.kblock_dot` keeps a row's super-block in registers and
 meets each token's activations with it: the 16 lanes of its integer sum are parts of one
@@ -20,6 +21,17 @@ for Q4_K eight multiply-adds of the rows' ``dmin * min`` by the token's scaled
 sub-block sums. Prototype of the inner loop, Zen 4, in L1: 103 G multiply-adds a second
 (88% of the issue rate) against 55 for the decode kernel's.
 
+Without AVX-512 the same buffer is read as two 256-bit halves of 8 rows: per pair and
+token a ``vpdpwssd`` per half (AVX-VNNI) or a ``vpmaddwd`` and an add (AVX2), 4 tokens'
+accumulators (8 of the 16 vector registers). The same integers and float steps per lane,
+so the same bits as on AVX-512. Before, a prompt's rows took the decode kernel there, 16 a
+call, and each row's block ended in its own float step as above: 1B Q4_K_M shape, two
+threads, in turns, prefill 512 68.0 / 74.0 -> 94.8 / 99.8 tok/s (AVX2), 76.1 / 74.9 ->
+92.4 / 98.9 (AVX-VNNI). The price there: a prompt's row no longer has its decode bits
+(float rounding apart), so its logits may differ in the last bits with how much of it
+was cached (a suffix under :data:`~kernels.quant.linear.LANE_MIN_ROWS` rows takes the
+decode kernel), as for a part no tile fits on AVX-512.
+
 Each token's arithmetic is the same sequence whatever the other tokens of the call, so a
 row's result does not depend on the batch; it is not the decode kernel's result (another
 summation order), which is why this kernel serves prompts only
@@ -39,8 +51,10 @@ from kernels.quant.blocks import INLINE, part_of, part_rows
 from kernels.quant.simd import (
     F32,
     HOST_ISA,
+    I16,
     I32,
     I64,
+    ISAS,
     _fma,
     _fn,
     _literal,
@@ -48,15 +62,30 @@ from kernels.quant.simd import (
     _vec,
     stream_ahead,
 )
-from kernels.quant.superblock import KBLOCK_KINDS, _block_scales, _load, _wide_codes
+from kernels.quant.superblock import (
+    ISA,
+    ISA_CODES,
+    KBLOCK_KINDS,
+    _block_scales,
+    _concat,
+    _load,
+    _wide_codes,
+)
 
 __all__ = ["LANES", "TOKEN_TILE", "lane_rows", "lanes_supported"]
 
-# weight rows per tile: one int32 lane each of a 512-bit vector
+# weight rows per tile: one int32 lane each of a 512-bit vector (AVX2 / AVX-VNNI: two
+# 256-bit halves, the same buffer)
 LANES = 16
-# tokens whose accumulators stay in registers (the float ones and the block's integer
-# ones: 16 of the 32 vector registers)
-TOKEN_TILE = 8
+# instruction sets with the kernel: AVX-512 VNNI (``vpdpwssd`` of 512 bits), AVX-VNNI
+# (``vpdpwssd`` of 256, a half's lanes each) and AVX2 (``vpmaddwd`` and an add)
+LANE_ISAS = ("avx512vnni", "avxvnni", "avx2")
+# tokens whose integer accumulators stay in registers, by instruction set: AVX-512 8 of
+# its 32 vector registers (and the float ones beside them); AVX2 / AVX-VNNI 4 tokens of
+# two halves, 8 of 16 registers (with the weight vector's two and the broadcast pair)
+TOKEN_TILES = {"avx512vnni": 8, "avxvnni": 4, "avx2": 4}
+_LANE_CODES = tuple(ISA_CODES[name] for name in LANE_ISAS)
+TOKEN_TILE = TOKEN_TILES.get(HOST_ISA, 8)
 # int16 pairs of a super-block: the weight vectors per block and tile
 PAIRS = 128
 _W_BLOCK = PAIRS * 64  # bytes of a tile's block in the buffer
@@ -72,8 +101,9 @@ _SCRATCH = LANES * 512 + LANES * 32
 
 
 def lanes_supported(kind_name: str) -> bool:
-    """Whether this CPU runs :func:`lane_rows` for the type (AVX-512 VNNI, Q4_K / Q6_K)."""
-    return HOST_ISA == "avx512vnni" and kind_name in ("Q4_K", "Q6_K")
+    """Whether this CPU runs :func:`lane_rows` for the type (Q4_K / Q6_K, on the
+    instruction sets of :data:`LANE_ISAS`)."""
+    return HOST_ISA in LANE_ISAS and kind_name in ("Q4_K", "Q6_K")
 
 
 def _store(builder, value, addr, align: int):
@@ -180,35 +210,62 @@ def lanes_unpack(typingctx, rows, nblk, w, dv, mv, scratch, kind):
 
 
 @intrinsic
-def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out, kind, ntok):
+def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out, kind, ntok, isa):
     """``out`` (float32 ``[ntok, 16]``, 64-byte aligned) = the 16 unpacked rows of
     :func:`lanes_unpack` (``w``, ``dv``, ``mv``) dotted with ``ntok`` tokens' int16
     activations: token ``t``'s at ``x + t * x_tok`` (:meth:`~kernels.quant.activations.
     Q8KActivations.widened`, in the kind's order), its float32 scale per block (the
     second level's: the first's / 256) at ``xd + t * xd_tok``, and for Q4_K its paired
     sub-block sums times that scale, float32 per 32 elements, at ``bx + t * bx_tok``.
-    ``kind`` and ``ntok`` (1 to :data:`TOKEN_TILE`) are compile-time.
+    ``kind``, ``ntok`` (1 to 8) and ``isa`` (a :data:`LANE_ISAS` code) are compile-time.
 
     Per block and token, in integers (exact, |lane| < 2^31 as on the int16 decode path):
     ``isum[r] = sum_p w[p][r] . x[p]``; then ``acc[r] += float(isum[r]) * (d[r] * xd)``
     (``llvm.fma``) and, with offsets, ``acc[r] += (dmin[r] * min[r][s]) * bx[s]`` for the
-    8 sub-blocks in order: the same operations for a token whatever the others."""
-    lit = (_literal(kind, tuple(KBLOCK_KINDS)), _literal(ntok, tuple(range(1, TOKEN_TILE + 1))))
+    8 sub-blocks in order: the same operations for a token whatever the others, and for a
+    lane whatever the instruction set (AVX2 / AVX-VNNI take each 512-bit weight vector
+    as two halves of 8 rows: the same integers, the same float steps per lane)."""
+    lit = (
+        _literal(kind, tuple(KBLOCK_KINDS)),
+        _literal(ntok, tuple(range(1, 9))),
+        _literal(isa, _LANE_CODES),
+    )
     if any(v is None for v in lit):
         return None
-    kind_v, nt = lit
+    kind_v, nt, isa_name = lit[0], lit[1], ISAS[lit[2]]
     zero = KBLOCK_KINDS[kind_v][4]
     run = _RUN[KBLOCK_KINDS[kind_v][0]]
     u, i = types.uintp, types.intp
-    sig = types.void(u, u, u, i, u, i, u, i, u, i, u, kind, ntok)
+    sig = types.void(u, u, u, i, u, i, u, i, u, i, u, kind, ntok, isa)
     v16i, v16 = _vec(I32, 16), _vec(F32, 16)
+    # the integer accumulators: one 512-bit vector a token, or two halves of 8 lanes
+    halves = 1 if isa_name == "avx512vnni" else 2
+    vi = _vec(I32, 16 // halves)
 
     def codegen(context, builder, signature, args):
         w_a, d_a, m_a, nblk_v, x_a, x_tok, xd_a, xd_tok, bx_a, bx_tok, out_a = args[:11]
-        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(nt)]
-        isum = [cgutils.alloca_once_value(builder, ir.Constant(v16i, None)) for _ in range(nt)]
-        part = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(nt)]
+        if isa_name == "avx512vnni":
+            dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+        elif isa_name == "avxvnni":  # the VEX form: LLVM picks it without AVX-512
+            dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.256", vi, [vi, vi, vi])
+        else:
+            v16s = _vec(I16, 16)
+            maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", vi, [v16s, v16s])
+
+        def dot(s, wv, xv):
+            """``s`` plus each lane's two products of ``wv`` by the pair ``xv`` (i32)."""
+            pair = _splat(builder, xv, 16 // halves)
+            if isa_name != "avx2":
+                return builder.call(dpwssd, [s, wv, pair])
+            prods = builder.call(maddwd, [builder.bitcast(wv, v16s), builder.bitcast(pair, v16s)])
+            return builder.add(s, prods)
+
+        def zeros(t):
+            return cgutils.alloca_once_value(builder, ir.Constant(t, None))
+
+        acc = [zeros(v16) for _ in range(nt)]
+        isum = [[zeros(vi) for _ in range(halves)] for _ in range(nt)]
+        part = [zeros(v16) for _ in range(nt)]
         x_row = [builder.add(x_a, builder.mul(x_tok, I64(t))) for t in range(nt)]
         xd_row = [builder.add(xd_a, builder.mul(xd_tok, I64(t))) for t in range(nt)]
         bx_row = [builder.add(bx_a, builder.mul(bx_tok, I64(t))) for t in range(nt)]
@@ -221,18 +278,24 @@ def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out,
             with cgutils.for_range(builder, I64(PAIRS // run)) as runs:
                 first = builder.mul(runs.index, I64(run))
                 for t in range(nt):
-                    builder.store(ir.Constant(v16i, None), isum[t])
+                    for h in range(halves):
+                        builder.store(ir.Constant(vi, None), isum[t][h])
                 with cgutils.for_range(builder, I64(run)) as pairs:
                     p = builder.add(first, pairs.index)
-                    wv = _load(builder, builder.add(w_blk, builder.mul(p, I64(64))), v16i, 64)
+                    w_p = builder.add(w_blk, builder.mul(p, I64(64)))
+                    wv = [
+                        _load(builder, builder.add(w_p, I64(64 // halves * h)), vi, 64 // halves)
+                        for h in range(halves)
+                    ]
                     for t in range(nt):
                         xv = _load(builder, builder.add(x_blk[t], builder.mul(p, I64(4))), I32, 4)
-                        s = builder.load(isum[t])
-                        builder.store(
-                            builder.call(dpwssd, [s, wv, _splat(builder, xv, 16)]), isum[t]
-                        )
+                        for h in range(halves):
+                            s = builder.load(isum[t][h])
+                            builder.store(dot(s, wv[h], xv), isum[t][h])
                 for t in range(nt):  # the run's exact sums, to float
-                    f = builder.sitofp(builder.load(isum[t]), v16)
+                    lanes = [builder.load(isum[t][h]) for h in range(halves)]
+                    whole = lanes[0] if halves == 1 else _concat(builder, *lanes)
+                    f = builder.sitofp(whole, v16)
                     builder.store(builder.fadd(builder.load(part[t]), f), part[t])
             dvec = _load(builder, builder.add(d_a, builder.mul(blk, I64(64))), v16, 64)
             m_blk = builder.add(m_a, builder.mul(blk, I64(_M_BLOCK)))
@@ -256,16 +319,16 @@ def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out,
 
 @numba.njit(**INLINE)
 def _tile_dot(kind, w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, nt):
-    """:func:`lanes_dot` over ``nt`` tokens (8, 4, 2 or 1), the literal count picked at
-    run time."""
-    if nt == 8:
-        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 8)
+    """:func:`lanes_dot` over ``nt`` tokens (8 where :data:`TOKEN_TILE` is, 4, 2 or 1),
+    the literal count picked at run time."""
+    if TOKEN_TILE == 8 and nt == 8:
+        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 8, ISA)
     elif nt == 4:
-        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 4)
+        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 4, ISA)
     elif nt == 2:
-        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 2)
+        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 2, ISA)
     else:
-        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 1)
+        lanes_dot(w_at, d_at, m_at, nblk, x_at, xs, xd_at, ds, bx_at, bs, tmp_at, kind, 1, ISA)
 
 
 @numba.njit(**INLINE)

@@ -55,6 +55,7 @@ from kernels.quant.matmul import (
     prompt_kernel_args,
 )
 from kernels.quant.registry import ActivationFormat
+from kernels.quant.simd import HOST_ISA
 from kernels.quant.superblock import KBLOCK_CODES
 from kernels.quant.tiles import (
     TILE_ROWS,
@@ -72,8 +73,11 @@ from kernels.quant.weight import QuantWeight
 LANE_PROMPT_ROWS = 128
 # Within a prompt's forward (:func:`prompt_rows`), from this many rows on: a 32-token
 # prompt at the Qwen2-7B shape on a Zen 4 core (the first token of a short chat) took
-# 2.52 s through the decode kernel
-LANE_MIN_ROWS = 8
+# 2.52 s through the decode kernel. Without AVX-512 (256-bit lanes, 4 tokens a pass)
+# unpacking a tile costs about six tokens' dots, and the lanes win from about 24 rows:
+# 8192 x 2048 Q4_K, two threads, AVX2, lanes over the decode kernel in turns at 8 / 16 /
+# 32 / 128 rows 0.79-0.85x / 0.96x / 1.02-1.04x / 1.30x
+LANE_MIN_ROWS = 8 if HOST_ISA == "avx512vnni" else 24
 _FORWARD = threading.local()
 
 

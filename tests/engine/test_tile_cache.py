@@ -295,6 +295,9 @@ def test_a_model_loaded_again_maps_its_tiles_and_computes_the_same_bits(tmp_path
     assert torch.equal(logits(first), logits(second))
 
 
+@pytest.mark.skipif(
+    not tiles_supported("Q4_K"), reason="this CPU has no AVX-512 VNNI: no tiles to keep"
+)
 def test_a_first_load_reads_its_tiles_from_the_file_once_written(tmp_path, monkeypatch):
     """A load that repacked its weights reads them from the tile file once that is
     written (the page cache's copy: huge pages, shared), its repacked copies then freed;

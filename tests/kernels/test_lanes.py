@@ -27,7 +27,7 @@ KINDS = [Q.Q4_K, Q.Q6_K]
 
 def _needs_lanes(qtype):
     if not lanes_supported(qtype.name):
-        pytest.skip("this CPU has no AVX-512 VNNI: prompts take the decode kernels here")
+        pytest.skip("this CPU has no AVX2: prompts take the decode kernels here")
 
 
 def _parts(qtype, counts, seed):
@@ -149,22 +149,46 @@ def test_prompts_take_the_lane_kernel_in_any_chunking(qtype, rows):
     assert np.array_equal(alone, full[:40].numpy())
 
 
+# (instruction set, a CPU with it, the dot instruction of the inner loop and how many at
+# TOKEN_TILES tokens, what must not appear)
+_LANE_CPUS = [
+    # the token's activation pair broadcast from memory into the 512-bit multiply-add
+    (
+        "avx512vnni",
+        "znver4",
+        r"vpdpwssd\s+-?\d*\(%\w+(?:,%\w+)?(?:,\d)?\)\{1to16\}, %zmm",
+        1,
+        "ymm",
+    ),
+    # AVX-VNNI: the VEX form on the two 256-bit halves of each weight vector
+    ("avxvnni", "alderlake", r"\{vex\}\s+vpdpwssd\s[^\n]*%ymm", 2, "zmm|vpmaddwd"),
+    ("avx2", "haswell", r"vpmaddwd\s[^\n]*%ymm", 2, "zmm|vpdpwssd"),
+]
+
+
 @pytest.mark.parametrize("qtype", KINDS)
-def test_lane_kernel_codegen(qtype):
-    """The inner loop on AVX-512 VNNI: ``vpdpwssd`` on 512-bit vectors with the token's
-    activation pair broadcast from memory, and nothing that widens or shuffles (the weights
-    come unpacked and transposed, once per call, from :func:`lanes_unpack`)."""
+@pytest.mark.parametrize(("isa", "cpu", "dot", "per_token", "absent"), _LANE_CPUS)
+def test_lane_kernel_codegen(qtype, isa, cpu, dot, per_token, absent):
+    """The inner loop on every instruction set of the kernel, emitted by LLVM for a CPU
+    that has it (whatever this machine has): one multiply-add of the weight vector (or
+    each of its halves) by the token's broadcast activation pair per token, nothing of a
+    wider instruction set, and nothing that widens or shuffles (the weights come unpacked
+    and transposed, once per call, from :func:`lanes_unpack`)."""
     from numba import types
 
-    from kernels.quant.lanes import lanes_dot
+    from kernels.quant.lanes import TOKEN_TILES, lanes_dot
+    from kernels.quant.simd import ISA_CODES
     from kernels.quant.superblock import KBLOCK_CODES
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 11 + [lit(KBLOCK_CODES[qtype.name]), lit(TOKEN_TILE)]
-    asm = _asm_for(lanes_dot, argtypes, "znver4")
-    broadcast = r"vpdpwssd\s+-?\d*\(%\w+(?:,%\w+)?(?:,\d)?\)\{1to16\}, %zmm"
-    assert len(re.findall(broadcast, asm)) >= TOKEN_TILE
-    assert not re.search(r"vpmovzx|vpermt2|vpmaddubsw|vpmullw", asm)
+    tokens = TOKEN_TILES[isa]
+    argtypes = [u] * 11 + [lit(KBLOCK_CODES[qtype.name]), lit(tokens), lit(ISA_CODES[isa])]
+    asm = _asm_for(lanes_dot, argtypes, cpu)
+    assert len(re.findall(dot, asm)) >= per_token * tokens
+    assert not re.search(absent, asm)
+    assert not re.search(r"vpmovzx|vpermt2|vpmaddubsw|vpmullw|vpshufb", asm)
+    if isa != "avx512vnni":  # the pair broadcast from memory, once per token and pair
+        assert len(re.findall(r"vpbroadcastd\s+-?\d*\(%\w+", asm)) >= tokens
 
 
 def test_a_forward_says_whether_its_rows_are_a_prompts():
