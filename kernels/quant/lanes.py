@@ -252,9 +252,9 @@ def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out,
             v16s = _vec(I16, 16)
             maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", vi, [v16s, v16s])
 
-        def dot(s, wv, xv):
-            """``s`` plus each lane's two products of ``wv`` by the pair ``xv`` (i32)."""
-            pair = _splat(builder, xv, 16 // halves)
+        def dot(s, wv, pair):
+            """``s`` plus each lane's two products of ``wv`` by ``pair`` (the token's int16
+            pair in every lane)."""
             if isa_name != "avx2":
                 return builder.call(dpwssd, [s, wv, pair])
             prods = builder.call(maddwd, [builder.bitcast(wv, v16s), builder.bitcast(pair, v16s)])
@@ -289,9 +289,10 @@ def lanes_dot(typingctx, w, dv, mv, nblk, x, x_tok, xd, xd_tok, bx, bx_tok, out,
                     ]
                     for t in range(nt):
                         xv = _load(builder, builder.add(x_blk[t], builder.mul(p, I64(4))), I32, 4)
+                        pair = _splat(builder, xv, 16 // halves)  # once for both halves
                         for h in range(halves):
                             s = builder.load(isum[t][h])
-                            builder.store(dot(s, wv[h], xv), isum[t][h])
+                            builder.store(dot(s, wv[h], pair), isum[t][h])
                 for t in range(nt):  # the run's exact sums, to float
                     lanes = [builder.load(isum[t][h]) for h in range(halves)]
                     whole = lanes[0] if halves == 1 else _concat(builder, *lanes)
