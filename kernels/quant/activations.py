@@ -23,7 +23,7 @@ import numpy as np
 
 from kernels.quant.blocks import INLINE, JIT
 from kernels.quant.fastexp import exp_into
-from kernels.quant.simd import quantize32, quantize256, residual256, sums16
+from kernels.quant.simd import quantize32, quantize256, residual32, residual256, sums16
 
 ACT_BLOCK = 32
 SUPER_BLOCK = 256
@@ -327,7 +327,9 @@ class Q8Activations:
     """``[B, K]`` activations as int8 codes ``q`` with float32 ``scale`` per 32 elements;
     ``sum16`` / ``sum32`` are the sums of the *dequantized* values (``scale * q``) per 16 /
     32 elements, which the weight types with an offset (``w = d * q + m``) multiply by
-    ``m``."""
+    ``m``. Two levels (:func:`two_level_activations`): ``2B`` rows, row ``B + b`` what
+    row ``b``'s rounding left at exactly 1/256 of its scale, and ``pair32`` the sum of
+    both levels per 32."""
 
     q: np.ndarray  # int8 [B, K], values in [-127, 127]
     scale: np.ndarray  # float32 [B, K // 32]
@@ -338,6 +340,10 @@ class Q8Activations:
     source: np.ndarray | None = field(default=None, repr=False)
     levels: int = 1
     _super: Q8KActivations | None = field(default=None, repr=False)
+    # two levels: float32 [B, K // 32], (256 * sum(q_0) + sum(q_1)) * scale_1 per block
+    # (the integer exact), what the offsets of a block multiply by
+    pair32: np.ndarray | None = field(default=None, repr=False)
+    _wide: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -352,6 +358,18 @@ class Q8Activations:
             else:
                 self._super = quantize_super_blocks(self.source, self.levels)
         return self._super
+
+    def widened(self) -> np.ndarray:
+        """int16 ``[B, K]`` of two levels: each element's levels as one integer, ``256 *
+        q_0 + q_1`` (within +-32,639), what :func:`~kernels.quant.block32.block32_rows`
+        multiplies (``levels`` :data:`~kernels.quant.block32.WIDE32`). Made once."""
+        if self.levels != 2:
+            raise ValueError("int16 activations need two levels")
+        if self._wide is None:
+            b = self.q.shape[0] // 2
+            self._wide = np.empty((b, self.q.shape[1]), np.int16)
+            _pair_codes(self.q, self._wide)
+        return self._wide
 
     def values(self, per_super_block: bool = False) -> np.ndarray:
         """float32 ``[rows, K]``: the values a kernel multiplies by, in the per-32 or the
@@ -398,8 +416,11 @@ def quantize_activations(x: np.ndarray) -> Q8Activations:
 
 def two_level_activations(x: np.ndarray) -> Q8Activations:
     """``x [B, K]`` as int8 activations of ``2B`` rows: ``x`` itself, then what its int8
-    rounding left (``x`` minus the dequantized first rows), so that rows ``b`` and
-    ``B + b`` of a product sum to ``W x_b`` within about 1/127 of the int8 error.
+    rounding left (``x`` minus the dequantized first rows) at exactly 1/256 of the first
+    level's scale (as :func:`quantize_super_blocks` makes it per 256), so that rows ``b``
+    and ``B + b`` of a product sum to ``W x_b`` within about 1/256 of the int8 error, and
+    the two levels of an element are one integer, ``256 * q_0 + q_1``, that the per-32
+    kernels multiply in one piece (:meth:`Q8Activations.widened`).
 
     One level of int8 per 32 is what llama.cpp multiplies by; on SmolLM2 it moved the
     argmax against exact weights at 4% of the positions of a 512-token text (relative
@@ -411,7 +432,9 @@ def two_level_activations(x: np.ndarray) -> Q8Activations:
     (:func:`~kernels.quant.activations.quantize_super_blocks`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     act = _two_level_buffers(*x.shape)
-    _by_rows(x.shape[0], _two_level, _two_level_parallel)(x, act.q, act.scale, act.sum16, act.sum32)
+    _by_rows(x.shape[0], _two_level, _two_level_parallel)(
+        x, act.q, act.scale, act.sum16, act.sum32, act.pair32
+    )
     act.source = x
     return act
 
@@ -425,44 +448,55 @@ def _two_level_buffers(b: int, k: int) -> Q8Activations:
         np.empty((2 * b, k // 16), np.float32),
         np.empty((2 * b, k // 32), np.float32),
         levels=2,
+        pair32=np.empty((b, k // 32), np.float32),
     )
 
 
+@numba.njit(**JIT)
+def _pair_codes(q, wide):
+    """``wide[b] = 256 * q[b] + q[B + b]`` (``B`` the rows of ``wide``)."""
+    b_rows = wide.shape[0]
+    for b in range(b_rows):
+        for i in range(wide.shape[1]):
+            wide[b, i] = np.int16(256) * np.int16(q[b, i]) + np.int16(q[b_rows + b, i])
+
+
 @numba.njit(**INLINE)
-def _two_level_row(x, b, q, scale, sum16, sum32):
-    """Row ``b`` of ``x`` to rows ``b`` and ``B + b`` of :func:`two_level_activations`."""
+def _two_level_row(x, b, q, scale, sum16, sum32, pair32):
+    """Row ``b`` of ``x`` to rows ``b`` and ``B + b`` of :func:`two_level_activations`
+    (and ``pair32[b]``)."""
     batch, k = x.shape
     four = np.empty(4, np.float32)
-    rest = np.empty(32, np.float32)
     x_at = x[b].ctypes.data
-    for level in range(2):
-        row = b + level * batch
-        q_at = q[row].ctypes.data
-        for blk in range(k // 32):
-            if level == 0:
-                src = x_at + 128 * blk
-            else:
-                d = scale[b, blk]
-                for i in range(32):
-                    rest[i] = x[b, 32 * blk + i] - np.float32(q[b, 32 * blk + i]) * d
-                src = rest.ctypes.data
-            quantize32(src, q_at + 32 * blk, four.ctypes.data)
-            scale[row, blk] = four[0]
-            sum16[row, 2 * blk] = four[1]
-            sum16[row, 2 * blk + 1] = four[2]
-            sum32[row, blk] = four[3]
+    row = b + batch
+    q_at, r_at = q[b].ctypes.data, q[row].ctypes.data
+    for blk in range(k // 32):
+        quantize32(x_at + 128 * blk, q_at + 32 * blk, four.ctypes.data)
+        d = four[0]
+        scale[b, blk] = d
+        sum16[b, 2 * blk] = four[1]
+        sum16[b, 2 * blk + 1] = four[2]
+        sum32[b, blk] = four[3]
+        # |rest| <= d / 2, so codes at d / 256 reach 128 at most: 127
+        inv = np.float32(256.0) / d if d > 0 else np.float32(0.0)
+        residual32(x_at + 128 * blk, q_at + 32 * blk, d, inv, r_at + 32 * blk, four.ctypes.data)
+        scale[row, blk] = d / np.float32(256.0)
+        sum16[row, 2 * blk] = four[0]
+        sum16[row, 2 * blk + 1] = four[1]
+        sum32[row, blk] = four[2]
+        pair32[b, blk] = four[3]
 
 
 @numba.njit(**JIT)
-def _two_level(x, q, scale, sum16, sum32):
+def _two_level(x, q, scale, sum16, sum32, pair32):
     for b in range(x.shape[0]):
-        _two_level_row(x, b, q, scale, sum16, sum32)
+        _two_level_row(x, b, q, scale, sum16, sum32, pair32)
 
 
 @numba.njit(**PARALLEL)
-def _two_level_parallel(x, q, scale, sum16, sum32):
+def _two_level_parallel(x, q, scale, sum16, sum32, pair32):
     for b in numba.prange(x.shape[0]):
-        _two_level_row(x, b, q, scale, sum16, sum32)
+        _two_level_row(x, b, q, scale, sum16, sum32, pair32)
 
 
 # What prepared_activations computes from its input rows before quantizing them.
@@ -506,7 +540,7 @@ def prepared_activations(
     if per32:
         act = _two_level_buffers(b, k)
         prepare = _by_rows(b, _prepared_two_level, _prepared_two_level_parallel)
-        prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32)
+        prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32, act.pair32)
     else:
         act = _super_block_buffers(b, k, 2)
         prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
@@ -567,17 +601,17 @@ def _prepare_row(x, b, op, w, eps, residual, out):
 
 
 @numba.njit(**JIT)
-def _prepared_two_level(x, op, w, eps, residual, src, q, scale, sum16, sum32):
+def _prepared_two_level(x, op, w, eps, residual, src, q, scale, sum16, sum32, pair32):
     for b in range(src.shape[0]):
         _prepare_row(x, b, op, w, eps, residual, src)
-        _two_level_row(src, b, q, scale, sum16, sum32)
+        _two_level_row(src, b, q, scale, sum16, sum32, pair32)
 
 
 @numba.njit(**PARALLEL)
-def _prepared_two_level_parallel(x, op, w, eps, residual, src, q, scale, sum16, sum32):
+def _prepared_two_level_parallel(x, op, w, eps, residual, src, q, scale, sum16, sum32, pair32):
     for b in numba.prange(src.shape[0]):
         _prepare_row(x, b, op, w, eps, residual, src)
-        _two_level_row(src, b, q, scale, sum16, sum32)
+        _two_level_row(src, b, q, scale, sum16, sum32, pair32)
 
 
 @numba.njit(**JIT)

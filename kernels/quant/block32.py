@@ -15,17 +15,28 @@ and 31.2 -> 45.4; Q5_0 8192 x 2048 3.7 -> 17.7 on one thread. SmolLM2 on one thr
 12.9 -> 8.8 ms a token (Q4_1 7.7 -> 4.3 ms, the Q8_0 head 2.0 -> 1.3).
 
 Activations come per 32 (:class:`~kernels.quant.activations.Q8Activations`: one float32
-scale ``xd`` and the float sum ``xsum`` of the dequantized values per block). Per block
-and activation row: the 32 products summed in integers as 8 lanes of 4 (exact; ``vpdpbusd``
-on VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2, plain IR elsewhere: the same integers on
-every path), each lane times ``d * xd`` added by ``llvm.fma`` into a 16-lane accumulator
-(two blocks per vector), the offset ``m * xsum`` (``m`` the block's minimum, or
-``-8 d`` / ``-16 d`` for the types centred on zero) into a 4-lane one; a fixed summation
-tree at the end. Q8_0's signed codes go through the sign trick of
-:func:`~kernels.quant.simd._dot4`. Each activation row's arithmetic is the same whatever
-the other rows (batch invariance), and the two levels of a token
-(:func:`~kernels.quant.activations.two_level_activations`) are two rows whose results are
-added afterwards: the same bits as the sum of two single-level products.
+scale ``xd`` and the float sum ``xsum`` of the dequantized values per block).
+
+* One level of int8 (:func:`block32_pass`, :func:`~kernels.quant.matmul.decode_matmul`):
+  per block and token the 32 products summed in integers as 8 lanes of 4 (exact;
+  ``vpdpbusd`` on VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2, plain IR elsewhere: the
+  same integers on every path; Q8_0's signed codes through the sign trick of
+  :func:`~kernels.quant.simd._dot4`), each lane times ``d * xd`` added by ``llvm.fma``
+  into a 16-lane accumulator (two blocks per vector), the offset ``m * xsum`` (``m`` the
+  block's minimum, or ``-8 d`` / ``-16 d`` for the types centred on zero) into a 4-lane
+  one; a fixed summation tree at the end.
+* Two levels, what the engine runs (:func:`block32_wide_pass`): the second level at
+  exactly 1/256 of the first's scale, so each element's two codes are one int16,
+  ``256 q_0 + q_1``; the codes widened to int16 once per row for every token, per block
+  and token two ``vpmaddwd`` and an add (AVX2) or two ``vpdpwssd`` (VNNI) give 8 exact
+  lanes, one float step per block, and the offset by the sum of both levels (``pair32``).
+  Before, each level was a row of its own, with its own float steps: AVX2 code (LLVM's
+  haswell), two threads, in G multiply-adds a second at 1 / 16 tokens, Q8_0 16384 x 640
+  27 / 37 -> 39 / 79, Q5_0 2048 x 2048 27 / 36 -> 26 / 51, Q4_0 8192 x 2048 38 / 37 ->
+  44 / 67.
+
+Each token's arithmetic is the same whatever the other tokens of the call (batch
+invariance).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from kernels.quant.simd import (
     ISAS,
     _dot4,
     _fma,
+    _fn,
     _literal,
     _tree_sum,
     _vec,
@@ -119,6 +131,12 @@ def _fifth_bits(builder, codes, qh_addrs: list):
     return builder.or_(codes, sixteen)
 
 
+def _widen8(builder, v):
+    """A float vector of 4 lanes as 8, the others 0."""
+    index = list(range(4)) + [4] * 4
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 8), index))
+
+
 def _widen(builder, v):
     """A float vector of fewer than 16 lanes as 16, the others 0."""
     n = v.type.count
@@ -153,6 +171,47 @@ class _Kind:
             codes = _fifth_bits(builder, codes, [builder.add(a, I64(self.qh_at)) for a in base])
         return codes
 
+    def wide_codes(self, builder, base) -> tuple:
+        """The codes of the block at ``base`` as int16 in element order, two ``<16 x
+        i16>``: elements 0-15 and 16-31 (the low and the high nibbles of ``qs``)."""
+        v16b, v16s = _vec(I8, 16), _vec(I16, 16)
+        qs = builder.add(base, I64(self.qs_at))
+        if self.signed:
+            return tuple(
+                builder.sext(_load(builder, builder.add(qs, I64(16 * h)), v16b), v16s)
+                for h in range(2)
+            )
+        both = builder.zext(_load(builder, qs, v16b), v16s)
+        codes = [
+            builder.and_(both, ir.Constant(v16s, [15] * 16)),
+            builder.lshr(both, ir.Constant(v16s, [4] * 16)),
+        ]
+        if self.qh_at is not None:  # bit e of qh: element e's fifth bit
+            bits = _load(builder, builder.add(base, I64(self.qh_at)), I32)
+            sixteen, zero = ir.Constant(v16s, [16] * 16), ir.Constant(v16s, None)
+            for h in range(2):
+                half = builder.trunc(builder.lshr(bits, I32(16 * h)), I16)
+                mask = builder.bitcast(half, _vec(ir.IntType(1), 16))
+                codes[h] = builder.or_(codes[h], builder.select(mask, sixteen, zero))
+        return tuple(codes)
+
+    def wide_block_codes(self, builder, blocks: list) -> list:
+        """:meth:`wide_codes` of each block at ``blocks``; the 5-bit types' codes made as
+        bytes for two blocks at once (:meth:`codes`: the fifth bits of 64 elements from one
+        64-bit mask), then widened (AVX2, Q5_0 2048 x 2048, one token: 0.21 -> 0.16 ms;
+        for Q4_0 the other way round, 0.38 -> 0.42)."""
+        if self.qh_at is None:
+            return [self.wide_codes(builder, a) for a in blocks]
+        out = []
+        for c in range(0, len(blocks), 2):
+            chunk = self.codes(builder, blocks[c : c + 2])
+            for b in range(chunk.type.count // 32):
+                out.append(tuple(
+                    builder.zext(_pick(builder, chunk, list(range(32 * b + 16 * h, 32 * b + 16 * h + 16))), _vec(I16, 16))
+                    for h in range(2)
+                ))  # fmt: skip
+        return out
+
     def scales(self, builder, blocks: list):
         """``(d, offset)``: float32 vectors of the scales and the offsets (None for signed
         codes) of the blocks at ``blocks``, converted from fp16 together."""
@@ -178,73 +237,72 @@ BLOCK32_KINDS = dict(enumerate(_KINDS))
 BLOCK32_CODES = {k.name: code for code, k in BLOCK32_KINDS.items()}
 
 
-@intrinsic
-def block32_pass(
-    typingctx, row, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
-    tokens, levels, isa, kind
-):  # fmt: skip
-    """For ``j < tokens``: the float32 at ``out + j * out_tok`` = the dot product of the
-    weight row at ``row`` (``nblk`` blocks of ``kind``, a :data:`BLOCK32_CODES` value)
-    with token ``j``'s activations per 32 (:class:`~kernels.quant.activations.
-    Q8Activations`), its ``levels`` activation rows summed in level order: level ``l``'s
-    int8 at ``x + j * x_tok + l * x_lvl``, float32 scales and sums likewise from ``xd``
-    and ``xs``. ``tokens`` and ``levels`` (``tokens * levels`` 1, 2 or 4), ``isa`` and
-    ``kind`` are compile-time.
-
-    The blocks go four at a time, as two vectors of 64 codes unpacked once for every
-    activation row and their fp16 scales converted together; then a last pair, then a
-    last block alone. Per pair and activation row: ``acc += float(lanes) * (d * xd)``
-    (16 lanes of 4 products, 8 per block), ``acc_o += offset * xsum`` (a lane per block
-    of the four); at the end one fixed tree over ``acc + acc_1 + acc_o`` (``acc_1`` the
-    lone block's 8 lanes, it and ``acc_o`` widened with zeros). Each activation row's
-    arithmetic is the same whatever ``tokens`` and ``levels``: so are the results. (A
-    second accumulator for the second pair of each four, against the FMA latency, gained
-    nothing with two rows and made AVX2, 16 registers, spill more.)"""
+def _pass_types(tokens, isa, kind):
+    """``(signature, tokens, isa name, kind)`` of a pass intrinsic (:func:`block32_pass`,
+    :func:`block32_wide_pass`) typed with these literals, or None where one is not a
+    literal it takes."""
     lit = (
         _literal(tokens, (1, 2, 4)),
-        _literal(levels, (1, 2)),
         _literal(isa, range(len(ISAS))),
         _literal(kind, tuple(BLOCK32_KINDS)),
     )
-    if any(v is None for v in lit) or lit[0] * lit[1] > 4:
+    if any(v is None for v in lit):
         return None
-    tokens_v, levels_v, isa_name, spec = lit[0], lit[1], ISAS[lit[2]], BLOCK32_KINDS[lit[3]]
-    rows_v = tokens_v * levels_v  # activation row r: token r // levels_v, level r % levels_v
     u, i = types.uintp, types.intp
-    sig = types.void(u, i, u, i, i, u, i, i, u, i, i, u, i, tokens, levels, isa, kind)
+    sig = types.void(u, i, u, i, u, i, u, i, u, i, tokens, isa, kind)
+    return sig, lit[0], ISAS[lit[1]], BLOCK32_KINDS[lit[2]]
+
+
+def _token_rows(builder, args, tokens: int) -> tuple[list, list, list]:
+    """Each token's activation, scale and sum addresses from a pass's arguments (``x``,
+    ``x_tok``, ``xd``, ``xd_tok``, ``xs``, ``xs_tok`` after the row and its block count)."""
+    return tuple(
+        [builder.add(args[a], builder.mul(args[a + 1], I64(j))) for j in range(tokens)]
+        for a in (2, 4, 6)
+    )
+
+
+def _padded4(builder, v):
+    """A vector of ``n`` <= 4 lanes as 4, the others 0."""
+    n = v.type.count
+    if n == 4:
+        return v
+    index = [0, 1, 2, 3][:n] + [n] * (4 - n)
+    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 4), index))
+
+
+@intrinsic
+def block32_pass(
+    typingctx, row, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, tokens, isa, kind
+):  # fmt: skip
+    """For ``j < tokens``: the float32 at ``out + j * out_tok`` = the dot product of the
+    weight row at ``row`` (``nblk`` blocks of ``kind``, a :data:`BLOCK32_CODES` value)
+    with token ``j``'s one level of int8 activations per 32 (:class:`~kernels.quant.
+    activations.Q8Activations`) at ``x + j * x_tok``, its float32 scales and sums at
+    ``xd + j * xd_tok`` and ``xs + j * xs_tok``. ``tokens`` (1, 2 or 4), ``isa`` and
+    ``kind`` are compile-time. (Two levels: :func:`block32_wide_pass`.)
+
+    The blocks go four at a time, as two vectors of 64 codes unpacked once for every
+    token and their fp16 scales converted together; then a last pair, then a last block
+    alone. Per pair and token: ``acc += float(lanes) * (d * xd)`` (16 lanes of 4
+    products, 8 per block), ``acc_o += offset * xsum`` (a lane per block of the four); at
+    the end one fixed tree over ``acc + acc_1 + acc_o`` (``acc_1`` the lone block's 8
+    lanes, it and ``acc_o`` widened with zeros). Each token's arithmetic is the same
+    whatever ``tokens``: so are the results."""
+    typed = _pass_types(tokens, isa, kind)
+    if typed is None:
+        return None
+    sig, tokens_v, isa_name, spec = typed
 
     def codegen(context, builder, signature, args):
-        row_a, nblk_v, x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl = args[:8]
-        xs_a, xs_tok, xs_lvl, out_a, out_tok = args[8:13]
-
-        def per_row(base, tok, lvl):
-            return [
-                builder.add(
-                    builder.add(base, builder.mul(tok, I64(r // levels_v))),
-                    builder.mul(lvl, I64(r % levels_v)),
-                )
-                for r in range(rows_v)
-            ]
-
-        x_rows = per_row(x_a, x_tok, x_lvl)
-        xd_rows = per_row(xd_a, xd_tok, xd_lvl)
-        xs_rows = per_row(xs_a, xs_tok, xs_lvl)
+        row_a, nblk_v, out_a, out_tok = args[0], args[1], args[8], args[9]
+        x_rows, xd_rows, xs_rows = _token_rows(builder, args, tokens_v)
 
         def zeros(n):
             return [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, n), None))
-                    for _ in range(rows_v)]  # fmt: skip
+                    for _ in range(tokens_v)]  # fmt: skip
 
         acc, acc_1, acc_o = zeros(16), zeros(8), zeros(4)
-
-        def padded(v):
-            """A vector of ``n`` < 4 lanes as 4, the others 0."""
-            n = v.type.count
-            if n == 4:
-                return v
-            zero = ir.Constant(v.type, None)
-            return builder.shuffle_vector(
-                v, zero, ir.Constant(_vec(I32, 4), [0, 1, 2, 3][:n] + [n] * (4 - n))
-            )
 
         def step(blk, n, targets):
             """Blocks ``blk .. blk + n`` (n 4, 2 or 1), into ``targets`` (per row)."""
@@ -253,7 +311,7 @@ def block32_pass(
             chunks = [blocks[b : b + 2] for b in range(0, n, 2)]
             codes = [spec.codes(builder, c) for c in chunks]
             d, offset = spec.scales(builder, blocks)
-            for r in range(rows_v):
+            for r in range(tokens_v):
                 at = builder.mul(blk, I64(4))
                 xd_v = _load(builder, builder.add(xd_rows[r], at), _vec(F32, n), 4)
                 scale = builder.fmul(d, xd_v)
@@ -275,7 +333,15 @@ def block32_pass(
                 if offset is not None:
                     xs_v = _load(builder, builder.add(xs_rows[r], at), _vec(F32, n), 4)
                     o = acc_o[r]
-                    builder.store(_fma(builder, padded(offset), padded(xs_v), builder.load(o)), o)
+                    builder.store(
+                        _fma(
+                            builder,
+                            _padded4(builder, offset),
+                            _padded4(builder, xs_v),
+                            builder.load(o),
+                        ),
+                        o,
+                    )
 
         quads = builder.udiv(nblk_v, I64(4))
         with cgutils.for_range(builder, quads) as loop:
@@ -289,89 +355,210 @@ def block32_pass(
             step(done, 2, acc)
         with builder.if_then(builder.icmp_unsigned("!=", builder.and_(rest, I64(1)), I64(0))):
             step(builder.sub(nblk_v, I64(1)), 1, acc_1)
-        totals = []
-        for r in range(rows_v):
-            lanes = builder.fadd(builder.load(acc[r]), _widen(builder, builder.load(acc_1[r])))
-            lanes = builder.fadd(lanes, _widen(builder, builder.load(acc_o[r])))
-            totals.append(_tree_sum(builder, lanes))
         for j in range(tokens_v):
-            total = totals[j * levels_v]
-            for level in range(1, levels_v):
-                total = builder.fadd(total, totals[j * levels_v + level])
+            lanes = builder.fadd(builder.load(acc[j]), _widen(builder, builder.load(acc_1[j])))
+            lanes = builder.fadd(lanes, _widen(builder, builder.load(acc_o[j])))
             dst = builder.add(out_a, builder.mul(out_tok, I64(j)))
-            builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
+            builder.store(
+                _tree_sum(builder, lanes), builder.inttoptr(dst, ir.PointerType(F32)), align=4
+            )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ``levels`` of block32_rows: two levels of activations as one int16 per element
+# (:meth:`~kernels.quant.activations.Q8Activations.widened`)
+WIDE32 = 3
+# Blocks block32_wide_pass unpacks for its tokens at a time (their int16 codes in
+# registers beside the tokens' accumulators: AVX2 has 16). AVX2 code (LLVM's haswell),
+# two threads, 16 tokens, G blocks / tokens a pass: 2 / 4 79, 50 and 67 G multiply-adds a
+# second on Q8_0, Q5_0, Q4_0; 4 / 4 62, 50, 52; 2 / 2 56, 38, 52; 1 / 4 49, 42, 40
+WIDE_GROUP = 2
+
+
+def _wide_lanes(builder, isa: str, codes, xs) -> ir.Value:
+    """``<8 x i32>``, lane ``j`` the sum of elements ``2j, 2j + 1, 16 + 2j, 17 + 2j`` of a
+    block: its int16 codes (elements 0-15, 16-31) times a token's int16 activations
+    (the same halves). ``vpmaddwd`` of each half and an add (AVX2), two ``vpdpwssd``
+    (AVX-VNNI, AVX-512 VNNI), or plain IR: the same integers (no saturation: |a pair|
+    <= 2 * 128 * 32,639 < 2^31)."""
+    v8i, v16s = _vec(I32, 8), _vec(I16, 16)
+    if isa in ("avxvnni", "avx512vnni"):
+        dp = _fn(builder, "llvm.x86.avx512.vpdpwssd.256", v8i, [v8i, v8i, v8i])
+        acc = ir.Constant(v8i, None)
+        for c, x in zip(codes, xs):
+            acc = builder.call(dp, [acc, builder.bitcast(c, v8i), builder.bitcast(x, v8i)])
+        return acc
+    if isa == "avx2":
+        madd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
+        return builder.add(*(builder.call(madd, [c, x]) for c, x in zip(codes, xs)))
+    pairs = []
+    for c, x in zip(codes, xs):
+        p = builder.mul(builder.sext(c, _vec(I32, 16)), builder.sext(x, _vec(I32, 16)))
+        even, odd = (
+            _pick(builder, p, list(range(0, 16, 2))),
+            _pick(builder, p, list(range(1, 16, 2))),
+        )
+        pairs.append(builder.add(even, odd))
+    return builder.add(pairs[0], pairs[1])
+
+
+@intrinsic
+def block32_wide_pass(
+    typingctx, row, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, tokens, isa, kind
+):  # fmt: skip
+    """For ``j < tokens`` (1, 2 or 4): the float32 at ``out + j * out_tok`` = the dot
+    product of the weight row at ``row`` (``nblk`` blocks of ``kind``, a
+    :data:`BLOCK32_CODES` value) with token ``j``'s two levels of activations per 32 as
+    one int16 per element at ``x + j * x_tok`` (:meth:`~kernels.quant.activations.
+    Q8Activations.widened`: ``256 q_0 + q_1``), the second level's float32 scales at
+    ``xd + j * xd_tok`` (1/256 of the first's) and the sums of both levels at ``xs + j *
+    xs_tok`` (``pair32``). ``tokens``, ``isa`` and ``kind`` are compile-time.
+
+    :data:`WIDE_GROUP` blocks at a time have their codes widened to int16 once for every
+    token (then a last block alone); per block and token the 8 lanes of 4 products in
+    integers (:func:`_wide_lanes`, exact: |.| <= 4 * 128 * 32,639 < 2^24), ``acc =
+    fma(float(lanes), d * xd, acc)`` (8 lanes), and per group ``acc_o = fma(offset, xsum,
+    acc_o)`` (a lane per block); at the end one fixed tree over ``acc + acc_o``. Each
+    token's arithmetic is the same whatever ``tokens``, so are its results (batch
+    invariance). Both levels in one product: two ``vpmaddwd`` and an add per block and
+    token on AVX2, where int8 levels apart took, per level, ``vpmaddubsw``, ``vpmaddwd``,
+    a conversion and an FMA (and for Q8_0 the sign trick)."""
+    typed = _pass_types(tokens, isa, kind)
+    if typed is None:
+        return None
+    sig, tokens_v, isa_name, spec = typed
+
+    def codegen(context, builder, signature, args):
+        row_a, nblk_v, out_a, out_tok = args[0], args[1], args[8], args[9]
+        x_rows, xd_rows, xs_rows = _token_rows(builder, args, tokens_v)
+        zeros = [ir.Constant(_vec(F32, n), None) for n in (8, 4)]
+        acc = [cgutils.alloca_once_value(builder, zeros[0]) for _ in range(tokens_v)]
+        acc_o = [cgutils.alloca_once_value(builder, zeros[1]) for _ in range(tokens_v)]
+
+        def step(blk, n):
+            """Blocks ``blk .. blk + n``."""
+            blocks = [builder.add(row_a, builder.mul(builder.add(blk, I64(b)), I64(spec.block_bytes)))
+                      for b in range(n)]  # fmt: skip
+            codes = spec.wide_block_codes(builder, blocks)
+            d, offset = spec.scales(builder, blocks)
+            at = builder.mul(blk, I64(4))
+            for r in range(tokens_v):
+                scale = builder.fmul(
+                    d, _load(builder, builder.add(xd_rows[r], at), _vec(F32, n), 4)
+                )
+                for b in range(n):
+                    x_at = builder.add(x_rows[r], builder.mul(builder.add(blk, I64(b)), I64(64)))
+                    xs = [
+                        _load(builder, builder.add(x_at, I64(32 * h)), _vec(I16, 16))
+                        for h in range(2)
+                    ]
+                    lanes = builder.sitofp(
+                        _wide_lanes(builder, isa_name, codes[b], xs), _vec(F32, 8)
+                    )
+                    a = acc[r]
+                    builder.store(
+                        _fma(builder, lanes, _pick(builder, scale, [b] * 8), builder.load(a)), a
+                    )
+                if offset is not None:
+                    xs_v = _load(builder, builder.add(xs_rows[r], at), _vec(F32, n), 4)
+                    o = acc_o[r]
+                    builder.store(
+                        _fma(
+                            builder,
+                            _padded4(builder, offset),
+                            _padded4(builder, xs_v),
+                            builder.load(o),
+                        ),
+                        o,
+                    )
+
+        groups = builder.udiv(nblk_v, I64(WIDE_GROUP))
+        with cgutils.for_range(builder, groups) as loop:
+            blk = builder.mul(loop.index, I64(WIDE_GROUP))
+            first = builder.add(row_a, builder.mul(blk, I64(spec.block_bytes)))
+            stream_ahead(builder, first, WIDE_GROUP * spec.block_bytes)
+            step(blk, WIDE_GROUP)
+        done = builder.mul(groups, I64(WIDE_GROUP))
+        with cgutils.for_range(builder, builder.sub(nblk_v, done)) as loop:  # the last blocks
+            step(builder.add(done, loop.index), 1)
+        for j in range(tokens_v):
+            lanes = builder.fadd(builder.load(acc[j]), _widen8(builder, builder.load(acc_o[j])))
+            dst = builder.inttoptr(
+                builder.add(out_a, builder.mul(out_tok, I64(j))), ir.PointerType(F32)
+            )
+            builder.store(_tree_sum(builder, lanes), dst, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @numba.njit(**INLINE)
-def _pass(kind, tokens, levels, row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok):  # fmt: skip
-    """:func:`block32_pass` over ``tokens`` (up to 4 // ``levels``) tokens of ``levels``
-    (1 or 2) rows, the literal counts picked at run time (numba needs them at compile
-    time)."""
-    if levels == 2:
-        if tokens == 2:
-            block32_pass(
-                row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out,
-                out_tok, 2, 2, ISA, kind,
-            )  # fmt: skip
-        else:
-            block32_pass(
-                row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out,
-                out_tok, 1, 2, ISA, kind,
-            )  # fmt: skip
-    elif tokens == 4:
-        block32_pass(
-            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
-            4, 1, ISA, kind,
-        )  # fmt: skip
+def _wide_pass(kind, tokens, row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok):
+    """:func:`block32_wide_pass` over 4, 2 or 1 tokens, picked at run time."""
+    if tokens == 4:
+        block32_wide_pass(
+            row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 4, ISA, kind
+        )
     elif tokens == 2:
-        block32_pass(
-            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
-            2, 1, ISA, kind,
-        )  # fmt: skip
+        block32_wide_pass(
+            row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 2, ISA, kind
+        )
     else:
-        block32_pass(
-            row_at, nblk, x, x_tok, x_lvl, xd, xd_tok, xd_lvl, xs, xs_tok, xs_lvl, out, out_tok,
-            1, 1, ISA, kind,
-        )  # fmt: skip
+        block32_wide_pass(
+            row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 1, ISA, kind
+        )
+
+
+@numba.njit(**INLINE)
+def _pass(kind, tokens, row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok):
+    """:func:`block32_pass` over 4, 2 or 1 tokens, picked at run time (numba needs the
+    count at compile time)."""
+    if tokens == 4:
+        block32_pass(row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 4, ISA, kind)
+    elif tokens == 2:
+        block32_pass(row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 2, ISA, kind)
+    else:
+        block32_pass(row_at, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, 1, ISA, kind)
 
 
 @numba.njit(**INLINE)
 def block32_rows(kind, parts, row_bytes, levels, xq, xd, xsum, out, tasks):
-    """``out[t, n]`` = weight row ``n`` dotted with the ``levels`` (1 or 2) activation
-    rows of token ``t`` (rows ``t`` and ``T + t`` of ``xq``, ``T`` the rows of ``out``),
-    summed in level order, for every ``t`` and ``n``: per 32, ``xd`` the scales and
-    ``xsum`` the float sums of each block.
+    """``out[t, n]`` = weight row ``n`` dotted with token ``t``'s activations per 32, for
+    every ``t`` and ``n`` (``T`` the rows of ``out``). ``levels`` 1: row ``t`` of the int8
+    ``xq``, ``xd`` and ``xsum`` its scales and float sums per block. ``levels``
+    :data:`WIDE32` (two levels, :func:`~kernels.quant.activations.
+    two_level_activations`): row ``t`` of the int16 ``xq`` (:meth:`~kernels.quant.
+    activations.Q8Activations.widened`), row ``T + t`` of ``xd`` (the second level's
+    scales), row ``t`` of ``xsum`` (``pair32``, the sums of both levels).
 
     The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
     part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``, a
     :data:`BLOCK32_CODES` value): the parts of a fused projection (q/k/v, gate/up) in one
     call, wherever each lies in the mapped file. The rows are split in ``tasks`` ranges
-    over numba's threads; each weight row goes through passes of up to 4 activation rows
-    (:func:`block32_pass`, which writes its tokens' results), the bytes ahead streamed
-    into L2 block by block (the next row's whole bytes asked for at each row's start as
-    well: Q8_0 49152 x 576, cold, 26.0 against 29.2-30.8 GB/s on one thread).
+    over numba's threads; each weight row goes through passes of up to 4 tokens
+    (:func:`block32_wide_pass`, :func:`block32_pass`: they write their tokens' results),
+    the bytes ahead streamed into L2 block by block (the next row's whole bytes asked for
+    at each row's start as well: Q8_0 49152 x 576, cold, 26.0 against 29.2-30.8 GB/s on
+    one thread).
 
     One weight row at a time: walking 4 rows block by block together (each activation
     vector loaded once for all four) ran as fast on a matrix in cache, but slower from
-    memory: Q4_1 8192 x 2048, one thread, 11.9 against 17.7 GB/s (in L3 both 21.4).
-    Passes of 8 activation rows (AVX-512: four tokens' two levels) ran no faster than 4
-    at 4 and 16 tokens: the float steps per pair and row bound the kernel there, not the
-    unpacking."""
-    if levels != 1 and levels != 2:
-        raise ValueError("block32_rows: one or two levels of activations")
+    memory: Q4_1 8192 x 2048, one thread, 11.9 against 17.7 GB/s (in L3 both 21.4)."""
+    if levels != 1 and levels != WIDE32:
+        raise ValueError("block32_rows: one level of int8 activations, or WIDE32")
+    if levels == WIDE32 and xq.itemsize != 2:
+        raise ValueError("block32_rows: WIDE32 reads int16 activations")
     n_rows = part_rows(parts)
     tokens = out.shape[0]
     nblk = xq.shape[1] // 32
     tasks = max(1, min(n_rows, tasks))
     per = (n_rows + tasks - 1) // tasks
-    xq_at, xd_at, xs_at, out_at = xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data, out.ctypes.data
     qs, ds, ss, os_ = xq.strides[0], xd.strides[0], xsum.strides[0], out.strides[0]
-    # the second level of token t is row t + T
-    q_lvl, d_lvl, s_lvl = tokens * qs, tokens * ds, tokens * ss
-    most = 4 // levels
+    # two levels: the second level's scales, rows T.. of xd
+    xq_at, xd_at = xq.ctypes.data, xd.ctypes.data + (tokens * ds if levels == WIDE32 else 0)
+    xs_at, out_at = xsum.ctypes.data, out.ctypes.data
     for t in numba.prange(tasks):
         first = t * per
         last = min(first + per, n_rows)
@@ -380,11 +567,13 @@ def block32_rows(kind, parts, row_bytes, levels, xq, xd, xsum, out, tasks):
             p, base, row_at = walk_row(parts, p, base, n, last, row_bytes, False)
             j = 0
             while j < tokens:
-                step = min(most, tokens - j)
+                step = min(4, tokens - j)
                 if step == 3:
                     step = 2
-                _pass(
-                    kind, step, levels, row_at, nblk, xq_at + j * qs, qs, q_lvl, xd_at + j * ds,
-                    ds, d_lvl, xs_at + j * ss, ss, s_lvl, out_at + j * os_ + 4 * n, os_,
-                )  # fmt: skip
+                q_at, d_at, s_at = xq_at + j * qs, xd_at + j * ds, xs_at + j * ss
+                o_at = out_at + j * os_ + 4 * n
+                if levels == WIDE32:
+                    _wide_pass(kind, step, row_at, nblk, q_at, qs, d_at, ds, s_at, ss, o_at, os_)
+                else:
+                    _pass(kind, step, row_at, nblk, q_at, qs, d_at, ds, s_at, ss, o_at, os_)
                 j += step

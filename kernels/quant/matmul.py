@@ -34,6 +34,7 @@ from kernels.quant.activations import (
     quantize_super_blocks,
     two_level_activations,
 )
+from kernels.quant.block32 import BLOCK32_CODES, WIDE32
 from kernels.quant.lanes import lanes_supported
 from kernels.quant.registry import ActivationFormat, QuantType
 from kernels.quant.superblock import FEW_TOKENS, KBLOCK_CODES, KBLOCK_KINDS, WIDE, wide_pairs
@@ -106,10 +107,17 @@ def parts_kernel_args(
     kind: QuantType, act: Q8Activations | Q8KActivations, tokens: int
 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(levels, codes, scales, sums) of ``tokens`` rows of two-level activations as
-    ``kind.decode_parts`` reads them: per 32 with float sums, or in super-blocks with the
-    paired integer sums, the codes as int16 where :func:`~kernels.quant.superblock.
-    wide_pairs` says so (``levels`` WIDE, else 2)."""
+    ``kind.decode_parts`` reads them: for the blocks of 32 (:mod:`kernels.quant.block32`)
+    the two levels as one int16 per element with the sums of both (``levels`` WIDE32);
+    for the other per-32 readers (Q2_K, Q3_K, Q5_K) the levels as rows of their own with
+    their float sums (``levels`` 2); in super-blocks with the paired integer sums, the
+    codes as int16 where :func:`~kernels.quant.superblock.wide_pairs` says so (``levels``
+    WIDE, else 2)."""
     if kind.activation is not ActivationFormat.Q8_256:
+        if isinstance(act, Q8KActivations) or act.levels != 2:
+            raise ValueError(f"{kind.name} reads two levels of activations per 32")
+        if kind.name in BLOCK32_CODES:  # both levels as one int16, their sums per 32
+            return WIDE32, act.widened(), act.scale, act.pair32
         return 2, act.q, act.scale, act.sum16 if kind.sub_block == 16 else act.sum32
     ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
     q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)

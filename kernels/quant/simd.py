@@ -1018,6 +1018,23 @@ def quantize256(typingctx, x, q, out):
     return sig, codegen
 
 
+def _residual_chunk(builder, x_a, q0_a, scale_v, inv_v, q1_a):
+    """:func:`residual256`'s step on 32 elements: the second-level codes stored at
+    ``q1_a``, returned as ``<32 x i32>``."""
+    v32f, v32i, v32b = _vec(F32, 32), _vec(I32, 32), _vec(I8, 32)
+    rint = _fn(builder, "llvm.rint.v32f32", v32f, [v32f])
+    smax = _fn(builder, "llvm.smax.v32i32", v32i, [v32i, v32i])
+    smin = _fn(builder, "llvm.smin.v32i32", v32i, [v32i, v32i])
+    x_v = builder.load(builder.inttoptr(x_a, ir.PointerType(v32f)), align=4)
+    codes = builder.load(builder.inttoptr(q0_a, ir.PointerType(v32b)), align=1)
+    rest = builder.fsub(x_v, builder.fmul(builder.sitofp(codes, v32f), scale_v))
+    i = builder.fptosi(builder.call(rint, [builder.fmul(rest, inv_v)]), v32i)
+    i = builder.call(smax, [i, ir.Constant(v32i, [-127] * 32)])
+    i = builder.call(smin, [i, ir.Constant(v32i, [127] * 32)])
+    builder.store(builder.trunc(i, v32b), builder.inttoptr(q1_a, ir.PointerType(v32b)), align=1)
+    return i
+
+
 @intrinsic
 def residual256(typingctx, x, q0, scale, inv, q1):
     """The second level of one super-block of activations: with the 256 float32 at ``x``
@@ -1029,24 +1046,48 @@ def residual256(typingctx, x, q0, scale, inv, q1):
 
     def codegen(context, builder, signature, args):
         x_a, q0_a, scale, inv, q1_a = args
-        v32f, v32i, v32b = _vec(F32, 32), _vec(I32, 32), _vec(I8, 32)
-        rint = _fn(builder, "llvm.rint.v32f32", v32f, [v32f])
-        smax = _fn(builder, "llvm.smax.v32i32", v32i, [v32i, v32i])
-        smin = _fn(builder, "llvm.smin.v32i32", v32i, [v32i, v32i])
         scale_v, inv_v = _splat(builder, scale, 32), _splat(builder, inv, 32)
         for c in range(8):
-            x_v = builder.load(
-                builder.inttoptr(builder.add(x_a, I64(128 * c)), ir.PointerType(v32f)), align=4
+            at = [builder.add(a, I64(n * c)) for a, n in ((x_a, 128), (q0_a, 32), (q1_a, 32))]
+            _residual_chunk(builder, at[0], at[1], scale_v, inv_v, at[2])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def residual32(typingctx, x, q0, scale, inv, q1, out):
+    """The second level of one block of 32 activations, as :func:`residual256` makes it
+    for 256 (codes at 1/256 of the first level's ``scale``, ``inv`` = 256 / ``scale``),
+    and at ``out`` the float32 ``[d * sum(q1[:16]), d * sum(q1[16:]), d * sum(q1),
+    d * (256 * sum(q0) + sum(q1))]`` with ``d = scale / 256`` (the last the block's sum
+    of both levels: the integer exact, |.| < 2^21, rounded once)."""
+    sig = types.void(
+        types.uintp, types.uintp, types.float32, types.float32, types.uintp, types.uintp
+    )
+
+    def codegen(context, builder, signature, args):
+        x_a, q0_a, scale, inv, q1_a, o_a = args
+        q1 = _residual_chunk(
+            builder, x_a, q0_a, _splat(builder, scale, 32), _splat(builder, inv, 32), q1_a
+        )
+        v32i, v16i = _vec(I32, 32), _vec(I32, 16)
+        add16 = _fn(builder, "llvm.vector.reduce.add.v16i32", I32, [v16i])
+        add32 = _fn(builder, "llvm.vector.reduce.add.v32i32", I32, [v32i])
+        lo, hi = (
+            builder.call(
+                add16, [builder.shuffle_vector(q1, q1, ir.Constant(v16i, list(range(h, h + 16))))]
             )
-            codes = builder.load(
-                builder.inttoptr(builder.add(q0_a, I64(32 * c)), ir.PointerType(v32b)), align=1
-            )
-            rest = builder.fsub(x_v, builder.fmul(builder.sitofp(codes, v32f), scale_v))
-            i = builder.fptosi(builder.call(rint, [builder.fmul(rest, inv_v)]), v32i)
-            i = builder.call(smax, [i, ir.Constant(v32i, [-127] * 32)])
-            i = builder.call(smin, [i, ir.Constant(v32i, [127] * 32)])
-            dst = builder.inttoptr(builder.add(q1_a, I64(32 * c)), ir.PointerType(v32b))
-            builder.store(builder.trunc(i, v32b), dst, align=1)
+            for h in (0, 16)
+        )
+        q0 = builder.load(builder.inttoptr(q0_a, ir.PointerType(_vec(I8, 32))), align=1)
+        s0 = builder.call(add32, [builder.sext(q0, v32i)])
+        s1 = builder.add(lo, hi)
+        pair = builder.add(builder.mul(s0, I32(256)), s1)
+        d = builder.fdiv(scale, ir.Constant(F32, 256.0))
+        for j, s in enumerate((lo, hi, s1, pair)):
+            at = builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32))
+            builder.store(builder.fmul(d, builder.sitofp(s, F32)), at, align=4)
         return context.get_dummy_value()
 
     return sig, codegen

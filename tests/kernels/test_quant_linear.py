@@ -36,14 +36,32 @@ def _weight(qtype, n: int, seed: int) -> tuple[QuantWeight, torch.Tensor]:
 
 def test_two_level_activations_are_x_and_its_rounding_error():
     """Rows 0..B-1 are the one-level activations bit for bit; rows B..2B-1 quantize what
-    they left, and the two together are ~127x closer to x than one level."""
+    they left at exactly 1/256 of the first level's scale (numpy's float32 steps), with
+    the float sums of their codes, the sums of both levels per 32 (``pair32``) and each
+    element's two codes as one int16; the two levels together are ~127x closer to x."""
     x = np.random.default_rng(1).standard_normal((3, K)).astype(np.float32) * 4
+    x[1, 7] = 90.0  # an outlier channel
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0, no second level
     one = quantize_activations(x)
     two = two_level_activations(x)
     assert np.array_equal(two.q[:3], one.q) and np.array_equal(two.scale[:3], one.scale)
-    rest = quantize_activations(x - one.dequantize())
-    assert np.array_equal(two.q[3:], rest.q) and np.array_equal(two.scale[3:], rest.scale)
-    assert np.array_equal(two.sum16[3:], rest.sum16) and np.array_equal(two.sum32[3:], rest.sum32)
+    for name in ("sum16", "sum32"):
+        assert np.array_equal(getattr(two, name)[:3], getattr(one, name))
+    d = np.repeat(one.scale, 32, axis=1)
+    rest = x - one.q * d
+    inv = np.where(d > 0, np.float32(256) / np.where(d > 0, d, 1), np.float32(0))
+    codes = np.clip(np.rint(rest * inv), -127, 127)
+    assert np.array_equal(two.q[3:], codes)
+    assert np.array_equal(two.scale[3:], one.scale / np.float32(256))
+    q0, q1 = two.q[:3].astype(np.int64), two.q[3:].astype(np.int64)
+    for size, sums in ((16, two.sum16[3:]), (32, two.sum32[3:])):
+        scale = np.repeat(two.scale[3:], 32 // size, axis=1)
+        assert np.array_equal(sums, q1.reshape(3, -1, size).sum(-1).astype(np.float32) * scale)
+    paired = (256 * q0 + q1).reshape(3, -1, 32).sum(-1)
+    assert np.array_equal(two.pair32, paired.astype(np.float32) * two.scale[3:])
+    assert np.array_equal(two.widened(), 256 * q0 + q1) and two.widened().dtype == np.int16
+    with pytest.raises(ValueError, match="two levels"):
+        one.widened()
     deq = two.dequantize()
     err_one = np.abs(one.dequantize() - x).max()
     err_two = np.abs(deq[:3] + deq[3:] - x).max()
@@ -169,7 +187,7 @@ def test_consecutive_parts_of_one_type_are_one_call():
     """Runs of parts of one block type (q/k as Q4_K, v as Q6_K in a Q4_K_M layer; q/k/v
     all Q4_1 in SmolLM2's file) are multiplied in one kernel call over their row tables,
     each run writing its own columns with the two levels summed in the kernel: the same
-    bits as each part alone, and (per-32 types) as the sum of the two levels' products."""
+    bits as each part alone, and (per-32 types) the product of both levels' values."""
     qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q8_0, Q.Q4_K, Q.Q4_K)
     parts = [_weight(qt, 32 + 16 * i, seed=10 + i)[0] for i, qt in enumerate(qtypes)]
     lin = BlockLinear(parts)
@@ -190,9 +208,13 @@ def test_consecutive_parts_of_one_type_are_one_call():
             tiles = repack_parts([p.data for p in parts[3:5]], "Q8_0")
             tile_rows32("Q8_0", tiles, 176, act, y, 2)
             assert torch.equal(alone[:, 144:320], torch.from_numpy(y))
-        else:
-            y = np.concatenate([decode_matmul(act, p) for p in parts[3:5]], axis=1)
-            assert torch.equal(alone[:, 144:320], torch.from_numpy(y[:b] + y[b:]))
+        else:  # kernels/quant/block32.py: both levels as one int16 product
+            xq = act.dequantize().astype(np.float64)
+            xq = xq[:b] + xq[b:]
+            refs = [_weight(qtypes[i], 32 + 16 * i, seed=10 + i)[1] for i in (3, 4)]
+            w = torch.cat(refs).numpy().astype(np.float64)
+            err = np.abs(alone[:, 144:320].numpy() - xq @ w.T)
+            assert np.all(err <= 1e-5 * (np.abs(xq) @ np.abs(w).T))
     # a prompt's rows: the super-block runs through the prompt kernel in lanes, or where
     # the CPU has none the decode kernel (row by row the same bits), each run as its parts
     # alone; the Q8_0 parts in tiles as decoding each row alone, or through float32 tiles
@@ -329,6 +351,8 @@ def test_prepared_activations_quantize_the_op_they_compute(per32):
             else quantize_super_blocks(act.source, levels=2)
         )
         assert np.array_equal(act.q, again.q), op
+        if per32:
+            assert np.array_equal(act.pair32, again.pair32), op
         alone = prepared_activations(rows[1:2], op, per32, w if op == RMS_NORM else None, 1e-5)
         assert np.array_equal(alone.source[0], act.source[1]), op
     with pytest.raises(ValueError, match="weight of shape"):
@@ -373,6 +397,9 @@ def test_many_rows_quantize_as_each_row_alone(per32, prepared, levels):
         if prepared == "norm":
             assert np.array_equal(row[0], whole_x[b])  # the residual added in place
     fields = ("q", "scale", "sum16", "sum32") if per32 else ("q", "q_k4", "d", "bsum16", "bsum32")
+    if per32 and levels == 2:
+        assert np.array_equal(whole.pair32, np.concatenate([a.pair32 for a in alone]))
+        assert np.array_equal(whole.widened(), np.concatenate([a.widened() for a in alone]))
     for name in fields:
         got = getattr(whole, name)
         want = np.concatenate(

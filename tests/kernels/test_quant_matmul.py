@@ -105,6 +105,31 @@ def test_decode_matches_gguf_dequantizer(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fused_parts_kernel_of_every_type_takes_two_levels(qtype):
+    """``decode_parts`` with the arguments ``parts_kernel_args`` gives it (what the model's
+    projections call: per 32 as one int16 product for the blocks of 32, as two rows for
+    Q2_K / Q3_K / Q5_K; in super-blocks for Q4_K / Q6_K) equals the float64 product of
+    the dequantized weights and both levels of activations, for a few tokens and more."""
+    from kernels.quant.activations import quantize_super_blocks, two_level_activations
+    from kernels.quant.matmul import parts_kernel_args
+
+    kind = quant_type(qtype)
+    for k in _k_values(qtype):
+        raw, w = _weight(qtype, 37, k, seed=k)
+        table = np.array([[raw.ctypes.data, 37]], np.int64)
+        ref_w = reference_dequantize(raw, qtype, (37, k)).astype(np.float64)
+        for tokens in (2, 7):
+            x = np.random.default_rng(k + tokens).standard_normal((tokens, k)).astype(np.float32)
+            act = quantize_super_blocks(x, levels=2) if _super(qtype) else two_level_activations(x)
+            got = np.empty((tokens, 37), np.float32)
+            kind.decode_parts(table, raw.shape[1], *parts_kernel_args(kind, act, tokens), got, 3)
+            xq = act.dequantize().astype(np.float64)
+            xq = xq[:tokens] + xq[tokens:]
+            scale = _abs_product(xq, ref_w)
+            assert np.all(np.abs(got - xq @ ref_w.T) <= FP32_REL * scale + 1e-30), (k, tokens)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_each_row_is_independent_of_the_batch(qtype):
     k = _k_values(qtype)[-1]
     _, w = _weight(qtype, 19, k, seed=3)
