@@ -131,17 +131,23 @@ def _fifth_bits(builder, codes, qh_addrs: list):
     return builder.or_(codes, sixteen)
 
 
-def _widen8(builder, v):
-    """A float vector of 4 lanes as 8, the others 0."""
-    index = list(range(4)) + [4] * 4
-    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 8), index))
-
-
-def _widen(builder, v):
-    """A float vector of fewer than 16 lanes as 16, the others 0."""
+def _widen(builder, v, lanes: int = 16):
+    """A vector of at most ``lanes`` lanes as ``lanes``, the others 0."""
     n = v.type.count
-    index = list(range(n)) + [n] * (16 - n)
-    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 16), index))
+    if n == lanes:
+        return v
+    index = list(range(n)) + [n] * (lanes - n)
+    return builder.shuffle_vector(
+        v, ir.Constant(v.type, None), ir.Constant(_vec(I32, lanes), index)
+    )
+
+
+def _add_offsets(builder, slot, offset, xs_at, n: int) -> None:
+    """``slot`` (4 float lanes, a lane per block) ``+= offset * xsum`` for ``n`` (<= 4)
+    blocks: their offsets times the activations' sums at ``xs_at``, in one FMA."""
+    xs_v = _load(builder, xs_at, _vec(F32, n), 4)
+    total = _fma(builder, _widen(builder, offset, 4), _widen(builder, xs_v, 4), builder.load(slot))
+    builder.store(total, slot)
 
 
 @dataclass(frozen=True)
@@ -262,15 +268,6 @@ def _token_rows(builder, args, tokens: int) -> tuple[list, list, list]:
     )
 
 
-def _padded4(builder, v):
-    """A vector of ``n`` <= 4 lanes as 4, the others 0."""
-    n = v.type.count
-    if n == 4:
-        return v
-    index = [0, 1, 2, 3][:n] + [n] * (4 - n)
-    return builder.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(_vec(I32, 4), index))
-
-
 @intrinsic
 def block32_pass(
     typingctx, row, nblk, x, x_tok, xd, xd_tok, xs, xs_tok, out, out_tok, tokens, isa, kind
@@ -331,17 +328,7 @@ def block32_pass(
                     a = targets[r]
                     builder.store(_fma(builder, lanes, lane_scale, builder.load(a)), a)
                 if offset is not None:
-                    xs_v = _load(builder, builder.add(xs_rows[r], at), _vec(F32, n), 4)
-                    o = acc_o[r]
-                    builder.store(
-                        _fma(
-                            builder,
-                            _padded4(builder, offset),
-                            _padded4(builder, xs_v),
-                            builder.load(o),
-                        ),
-                        o,
-                    )
+                    _add_offsets(builder, acc_o[r], offset, builder.add(xs_rows[r], at), n)
 
         quads = builder.udiv(nblk_v, I64(4))
         with cgutils.for_range(builder, quads) as loop:
@@ -462,17 +449,7 @@ def block32_wide_pass(
                         _fma(builder, lanes, _pick(builder, scale, [b] * 8), builder.load(a)), a
                     )
                 if offset is not None:
-                    xs_v = _load(builder, builder.add(xs_rows[r], at), _vec(F32, n), 4)
-                    o = acc_o[r]
-                    builder.store(
-                        _fma(
-                            builder,
-                            _padded4(builder, offset),
-                            _padded4(builder, xs_v),
-                            builder.load(o),
-                        ),
-                        o,
-                    )
+                    _add_offsets(builder, acc_o[r], offset, builder.add(xs_rows[r], at), n)
 
         groups = builder.udiv(nblk_v, I64(WIDE_GROUP))
         with cgutils.for_range(builder, groups) as loop:
@@ -484,7 +461,7 @@ def block32_wide_pass(
         with cgutils.for_range(builder, builder.sub(nblk_v, done)) as loop:  # the last blocks
             step(builder.add(done, loop.index), 1)
         for j in range(tokens_v):
-            lanes = builder.fadd(builder.load(acc[j]), _widen8(builder, builder.load(acc_o[j])))
+            lanes = builder.fadd(builder.load(acc[j]), _widen(builder, builder.load(acc_o[j]), 8))
             dst = builder.inttoptr(
                 builder.add(out_a, builder.mul(out_tok, I64(j))), ir.PointerType(F32)
             )
