@@ -37,7 +37,7 @@ from kernels.quant.activations import (
 from kernels.quant.block32 import BLOCK32_CODES, WIDE32
 from kernels.quant.lanes import lanes_supported
 from kernels.quant.registry import ActivationFormat, QuantType
-from kernels.quant.superblock import FEW_TOKENS, KBLOCK_CODES, KBLOCK_KINDS, WIDE, wide_pairs
+from kernels.quant.superblock import FEW_TOKENS, KBLOCK_CODES, KBLOCK_KINDS, wide_levels
 from kernels.quant.weight import QuantWeight
 
 __all__ = [
@@ -111,8 +111,8 @@ def parts_kernel_args(
     the two levels as one int16 per element with the sums of both (``levels`` WIDE32);
     for the other per-32 readers (Q2_K, Q3_K, Q5_K) the levels as rows of their own with
     their float sums (``levels`` 2); in super-blocks with the paired integer sums, the
-    codes as int16 where :func:`~kernels.quant.superblock.wide_pairs` says so (``levels``
-    WIDE, else 2)."""
+    codes as int16 where :func:`~kernels.quant.superblock.wide_levels` says so (``levels``
+    WIDE or WALKED, else 2)."""
     if kind.activation is not ActivationFormat.Q8_256:
         if isinstance(act, Q8KActivations) or act.levels != 2:
             raise ValueError(f"{kind.name} reads two levels of activations per 32")
@@ -121,8 +121,9 @@ def parts_kernel_args(
         return 2, act.q, act.scale, act.sum16 if kind.sub_block == 16 else act.sum32
     ka = act if isinstance(act, Q8KActivations) else act.super_blocks()
     q, d, bsum = ka.kernel_args(kind.activation_order, kind.sub_block, paired=True)
-    if wide_pairs(kind.name, tokens):
-        return WIDE, ka.widened(kind.activation_order), d, bsum
+    levels = wide_levels(kind.name, tokens)
+    if levels != 2:
+        return levels, ka.widened(kind.activation_order), d, bsum
     return 2, q, d, bsum
 
 
@@ -253,12 +254,14 @@ def warm_up(qtypes=COMMON_TYPES) -> None:
         decode_matmul(quantize_activations(np.zeros((1, k), np.float32)), w)
         if kind.decode_parts is not None:  # the fused-parts kernel, two levels summed
             table = np.array([[w.data.ctypes.data, 1]], np.int64)
-            # a few tokens, and (int16 activations: another signature) more, where taken
-            for tokens in (2, FEW_TOKENS + 1):
-                if tokens > 2 and not wide_pairs(kind.name, tokens):
-                    continue
+            # one token, a few, and more: each signature taken (int8 or int16 activations)
+            seen = set()
+            for tokens in (1, 2, FEW_TOKENS + 1):
                 act = two_level_activations(np.zeros((tokens, k), np.float32))
                 levels, *args = parts_kernel_args(kind, act, tokens)
+                if args[0].dtype in seen:
+                    continue
+                seen.add(args[0].dtype)
                 # into a whole output, and into some columns of one (a projection of
                 # mixed types: numba compiles each memory layout apart)
                 for out in (

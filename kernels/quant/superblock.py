@@ -19,11 +19,16 @@ each token's activation vectors loaded once for both (:data:`ROW_GROUP`). A proj
 two levels of int8 (:func:`~kernels.quant.activations.
 quantize_super_blocks`: the second at 1/256 of the first's scale) are paired per token:
 ``256 * isum_0 + isum_1`` in one float step, the offsets by integer sums of both levels.
-Above :data:`FEW_TOKENS` tokens on every x86 instruction set here, Q4_K and Q6_K take
-that integer directly (:func:`wide_pairs`): the two levels as one int16 per element, the
-codes times their scales as int16 once per row, one ``vpdpwssd`` (AVX-512 VNNI) or
-``vpmaddwd`` and an add (AVX2, AVX-VNNI) per 32 / 16 elements and token where the two
-int8 levels take four / six instructions per 64, and the same value rounded once. Q6_K's
+Above :data:`FEW_TOKENS` tokens on AVX-512 VNNI, Q4_K and Q6_K take that integer
+directly (:func:`wide_levels`): the two levels as one int16 per element, the codes times
+their scales as int16 once per row, one ``vpdpwssd`` per 32 elements and token where the
+two int8 levels take four instructions per 64, and the same value rounded once. With the
+16 vector registers of AVX2 and AVX-VNNI a row's super-block as int16 codes times their
+scales fills them all, so from :data:`WALK_MIN` tokens on :func:`kblock_walk` unpacks it
+into an L1 buffer once and walks it a chunk (64 elements) at a time for four tokens,
+their integer sums in registers: a ``vpmaddwd`` and an add per 16 elements and token
+(AVX-VNNI: LLVM fuses some into ``vpdpwssd``), where the two int8 levels take six
+instructions per 64. Q6_K's
 codes carry a zero point (32), taken off inside the integer products on every path
 (``vpmaddubsw`` of 32 and the activations subtracted from the pair sums, or the codes
 less 32 as int16), so its blocks have no offsets to sum apart.
@@ -292,24 +297,30 @@ _N_OFFSETS = tuple(0 if zero else n_sub for _, _, _, n_sub, zero in KBLOCK_KINDS
 # ``levels`` of kblock_dot for two levels as one int16 per element
 # (:meth:`~kernels.quant.activations.Q8KActivations.widened`), where WIDE_PATHS has it
 WIDE = 3
+# ``levels`` of kblock_rows for those int16 activations through kblock_walk (WALK_PATHS)
+WALKED = 4
 # (instruction set, kind): the codes (less their zero point) times their scales as int16,
 # by int16 activations (|256 q_0 + q_1| <= 32,640), 16 products per lane and block:
 # Q4_K's reach 15 * 63 < 2^10, Q6_K's 32 * 128 = 2^12, so |a lane| <= 16 * 4,096 *
 # 32,640 = 2,139,095,040 < 2^31: exact in int32
-# On AVX2 / AVX-VNNI ``vpmaddwd`` and an add per 16 elements, where two levels take
-# ``vpmaddubsw``, ``vpmaddwd`` and an add per 32 and level (Q6_K: another ``vpmaddubsw``
-# and a subtraction for its zero point): 1B shape, Q4_K_M, AVX2 kernels, two threads,
-# prefill 70.7 / 73.1 -> 89.7 / 84.5 tok/s, S_TG B=16 53.3 / 55.8 -> 65.3 / 66.5
-WIDE_PATHS = {(isa, k) for isa in ("avx512vnni", "avxvnni", "avx2") for k in ("Q4_K", "Q6_K")}
+# (AVX2 and AVX-VNNI take int16 activations through kblock_walk, WALK_PATHS)
+WIDE_PATHS = {("avx512vnni", k) for k in ("Q4_K", "Q6_K")}
 
 
-def wide_pairs(kind_name: str, tokens: int) -> bool:
-    """Whether :func:`kblock_rows` takes ``tokens`` rows of two levels as int16
-    activations (``levels`` :data:`WIDE`) for this kind on this CPU: one ``vpdpwssd`` per
-    32 elements and token (AVX-512 VNNI; AVX2 and AVX-VNNI a ``vpmaddwd`` and an add per
-    16), where the two int8 levels take two ``vpmaddubsw`` and two ``vpdpwssd`` per 64
-    (unpacking, once per row, multiplies the codes by their scales)."""
-    return tokens > FEW_TOKENS and (HOST_ISA, kind_name) in WIDE_PATHS
+def wide_levels(kind_name: str, tokens: int) -> int:
+    """The ``levels`` :func:`kblock_rows` takes ``tokens`` rows of two levels in, for this
+    kind on this CPU: as int16 activations on AVX-512 VNNI above :data:`FEW_TOKENS`
+    tokens (:data:`WIDE`: one ``vpdpwssd`` per 32 elements and token where the two int8
+    levels take two ``vpmaddubsw`` and two ``vpdpwssd`` per 64; unpacking, once per row,
+    multiplies the codes by their scales), on AVX2 and AVX-VNNI from :data:`WALK_MIN`
+    tokens on (:data:`WALKED`, :func:`kblock_walk`: a ``vpmaddwd`` and an add per 16
+    elements, where two levels take ``vpmaddubsw``, ``vpmaddwd`` and an add per 32 and
+    level); else as two int8 rows (2)."""
+    if (HOST_ISA, kind_name) in WALK_PATHS and tokens >= WALK_MIN:
+        return WALKED
+    if (HOST_ISA, kind_name) in WIDE_PATHS and tokens > FEW_TOKENS:
+        return WIDE
+    return 2
 
 
 def _wide_codes(builder, codes, pair_scales, zero: int):
@@ -331,30 +342,57 @@ def _wide_isum(builder, isa: str, wide_codes, xs):
     """float ``<16 x float>`` of the lanes' exact integer sums: each chunk's two i16 code
     vectors times the token's two i16 activation vectors (256 x level 0 + level 1).
     The same value, rounded once, as ``fma(float(isum_0), 256, float(isum_1))``: the same
-    bits as the two-level path. AVX-512 VNNI: ``vpdpwssd`` of 512 bits; AVX2 and AVX-VNNI
-    (see :func:`_scaled_lanes`): ``vpmaddwd`` and an add on each 256-bit half (lane ``j``
-    the pairs ``2j, 2j + 1`` either way: the same integers)."""
+    bits as the two-level path. AVX-512 VNNI's ``vpdpwssd`` of 512 bits (the other paths
+    walk, :func:`kblock_walk`)."""
+    assert isa == "avx512vnni", isa
     v16i = _vec(I32, 16)
-    if isa == "avx512vnni":
-        dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
-        isum = ir.Constant(v16i, None)
-        for codes, x in zip(wide_codes, xs):
-            for h in range(2):
-                isum = builder.call(
-                    dpwssd, [isum, builder.bitcast(codes[h], v16i), builder.bitcast(x[h], v16i)]
-                )
-        return builder.sitofp(isum, _vec(F32, 16))
-    v8i, v16s = _vec(I32, 8), _vec(I16, 16)
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
-    products = [[], []]  # lanes 0-7, 8-15: added in a tree (:func:`_chunk_sums`)
+    dpwssd = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
+    isum = ir.Constant(v16i, None)
     for codes, x in zip(wide_codes, xs):
         for h in range(2):
-            for q in range(2):  # i16 elements 16q .. 16q + 15: lanes 8q .. 8q + 7
-                part = list(range(16 * q, 16 * q + 16))
-                c, a = _pick(builder, codes[h], part), _pick(builder, x[h], part)
-                products[q].append(builder.call(maddwd, [c, a]))
-    halves = [_int_tree(builder, p) for p in products]
-    return builder.sitofp(_concat(builder, halves[0], halves[1]), _vec(F32, 16))
+            isum = builder.call(
+                dpwssd, [isum, builder.bitcast(codes[h], v16i), builder.bitcast(x[h], v16i)]
+            )
+    return builder.sitofp(isum, _vec(F32, 16))
+
+
+class _Accumulators:
+    """The float32 accumulators of :func:`kblock_dot` and :func:`kblock_walk` at ``at``:
+    per row-token (``n_w`` rows x ``tokens``, row-major) 16 lanes, then the kind's
+    offsets' lanes (none with a zero point); zeroed when made."""
+
+    def __init__(self, builder, at, kind_v: int, n_w, tokens):
+        self.builder, self.at, self.n_w, self.tokens = builder, at, n_w, tokens
+        self.n_off = _N_OFFSETS[kind_v]
+        self.lanes, self.offsets = _vec(F32, 16), _vec(F32, max(self.n_off, 1))
+        with cgutils.for_range(builder, builder.mul(n_w, tokens)) as loop:
+            a, a_o = self.of(loop.index)
+            builder.store(ir.Constant(self.lanes, None), a, align=4)
+            if a_o is not None:
+                builder.store(ir.Constant(self.offsets, None), a_o, align=4)
+
+    def of(self, wj):
+        """Row-token ``wj``'s 16 lanes, and its offsets' (None without)."""
+        b = self.builder
+        at = b.add(self.at, b.mul(wj, I64(4 * (16 + self.n_off))))
+        offsets = None
+        if self.n_off:
+            offsets = b.inttoptr(b.add(at, I64(64)), ir.PointerType(self.offsets))
+        return b.inttoptr(at, ir.PointerType(self.lanes)), offsets
+
+    def write(self, out, out_tok):
+        """Each row-token's lanes summed by a fixed tree (the offsets' apart, then added),
+        into the float32 at ``out + 4 * w + j * out_tok``."""
+        b = self.builder
+        with cgutils.for_range(b, b.mul(self.n_w, self.tokens)) as loop:
+            wj = loop.index
+            a, a_o = self.of(wj)
+            total = _tree_sum(b, b.load(a, align=4))
+            if a_o is not None:
+                total = b.fadd(total, _tree_sum(b, b.load(a_o, align=4)))
+            w, j = b.udiv(wj, self.tokens), b.urem(wj, self.tokens)
+            dst = b.add(b.add(out, b.mul(j, out_tok)), b.mul(w, I64(4)))
+            b.store(total, b.inttoptr(dst, ir.PointerType(F32)), align=4)
 
 
 @intrinsic
@@ -400,28 +438,14 @@ def kblock_dot(
     sig = types.void(u, i, i, i, u, i, i, u, i, i, u, i, u, i, i, u, isa, kind, levels)
 
     def codegen(context, builder, signature, args):
-        if not wide_ok:  # never called (wide_pairs says where it is): trap if it were
+        if not wide_ok:  # never called (wide_levels says where it is): trap if it were
             builder.call(_fn(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
         row_a, row_step, n_w, nblk_v = args[:4]
         x_a, x_tok, x_lvl, xd_a, xd_tok, xd_lvl, bs_a, bs_tok = args[4:12]
         out_a, out_tok, tokens_v, acc_a = args[12:16]
         v16, vo = _vec(F32, 16), _vec(F32, n_sub)
-        acc_bytes = 4 * (16 + _N_OFFSETS[kind_v])
-
-        def accs(j):
-            """A row-token's accumulators: its 16 lanes, and its offsets' (None without)."""
-            at = builder.add(acc_a, builder.mul(j, I64(acc_bytes)))
-            offsets = (
-                None if zero else builder.inttoptr(builder.add(at, I64(64)), ir.PointerType(vo))
-            )
-            return builder.inttoptr(at, ir.PointerType(v16)), offsets
-
-        with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
-            a, a_o = accs(loop.index)
-            builder.store(ir.Constant(v16, None), a, align=4)
-            if not zero:
-                builder.store(ir.Constant(vo, None), a_o, align=4)
+        accs = _Accumulators(builder, acc_a, kind_v, n_w, tokens_v)
 
         def unpack(blk, w):
             base = builder.add(
@@ -493,7 +517,7 @@ def kblock_dot(
                     else:
                         total = isum_of(unpacked, xs[0])
                     f = _splat(builder, builder.fmul(d, xd_v), 16)
-                    a, a_o = accs(builder.add(builder.mul(w, tokens_v), j))
+                    a, a_o = accs.of(builder.add(builder.mul(w, tokens_v), j))
                     builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
                     if zero:
                         continue
@@ -514,15 +538,219 @@ def kblock_dot(
             odd = builder.icmp_unsigned("!=", builder.and_(n_w, I64(1)), I64(0))
             with builder.if_then(odd):
                 rows_step(blk, [builder.sub(n_w, I64(1))])
-        with cgutils.for_range(builder, builder.mul(n_w, tokens_v)) as loop:
-            wj = loop.index
-            a, a_o = accs(wj)
-            total = _tree_sum(builder, builder.load(a, align=4))
-            if not zero:
-                total = builder.fadd(total, _tree_sum(builder, builder.load(a_o, align=4)))
-            w, j = builder.udiv(wj, tokens_v), builder.urem(wj, tokens_v)
-            dst = builder.add(builder.add(out_a, builder.mul(j, out_tok)), builder.mul(w, I64(4)))
-            builder.store(total, builder.inttoptr(dst, ir.PointerType(F32)), align=4)
+        accs.write(out_a, out_tok)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _walk_codes(builder, codes, pair_scales, zero: int) -> list:
+    """A chunk's 64 codes (u8, as the kind's body gives them) less their zero point,
+    times their sub-block scales (``pair_scales``, as :func:`_wide_codes` takes them), as
+    four ``<16 x i16>``: :func:`_wide_codes`'s two vectors in 256-bit halves, made by
+    in-lane byte shuffles (one ``vpshufb`` each, zero bytes from the second operand)
+    where that picking of 32 of 64 bytes took ``vpsrld``, ``vpblendw`` and ``vpackusdw``
+    on AVX2. Vector ``k`` holds, of the chunk's bytes ``32 (k % 2)`` on, the pairs
+    ``4 (i // 2) + 2 (k // 2) + i % 2`` (``i < 16``), its scales ``pair_scales[16 (k % 2)
+    .. 16 (k % 2) + 15]``."""
+    v32, v16s = _vec(I8, 32), _vec(I16, 16)
+    zeros = ir.Constant(v32, None)
+    out = []
+    for h in range(2):
+        for r in range(2):
+            half = _pick(builder, codes, list(range(32 * r, 32 * r + 32)))
+            index = []
+            for i in range(16):
+                index += [4 * (i // 2) + 2 * h + i % 2, 32]  # the byte, then a zero byte
+            wide = builder.bitcast(
+                builder.shuffle_vector(half, zeros, ir.Constant(_vec(I32, 32), index)), v16s
+            )
+            if zero:
+                wide = builder.sub(wide, ir.Constant(v16s, [zero] * 16))
+            scale = _pick(builder, pair_scales, list(range(16 * r, 16 * r + 16)))
+            out.append(builder.mul(wide, scale))
+    return out
+
+
+def _rolled_loop(builder, count: int, values: list, step) -> list:
+    """``for i in range(count): values = step(i, values)`` as a loop LLVM does not unroll
+    (``llvm.loop.unroll.disable``), ``values`` carried in registers (phi nodes); returns
+    the last ``values``."""
+    module = builder.module
+    cond = builder.append_basic_block("rolled.cond")
+    body = builder.append_basic_block("rolled.body")
+    end = builder.append_basic_block("rolled.end")
+    pre = builder.basic_block
+    builder.branch(cond)
+    builder.position_at_end(cond)
+    index = builder.phi(I64)
+    index.add_incoming(I64(0), pre)
+    carried = []
+    for v in values:
+        phi = builder.phi(v.type)
+        phi.add_incoming(v, pre)
+        carried.append(phi)
+    builder.cbranch(builder.icmp_unsigned("<", index, I64(count)), body, end)
+    builder.position_at_end(body)
+    new = step(index, carried)
+    latch_block = builder.basic_block
+    index.add_incoming(builder.add(index, I64(1)), latch_block)
+    for phi, v in zip(carried, new):
+        phi.add_incoming(v, latch_block)
+    latch = builder.branch(cond)
+    # a loop's ID is a node whose first operand is itself (llvmlite makes no such node:
+    # made with a unique placeholder, then pointed at itself)
+    option = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    loop_id = module.add_metadata([ir.MetaDataString(module, f"rolled.{len(module.metadata)}")])
+    loop_id.operands = (loop_id, option)
+    latch.set_metadata("llvm.loop", loop_id)
+    builder.position_at_end(end)
+    return carried
+
+
+# Tokens whose integer sums :func:`kblock_walk` keeps in registers while it walks a
+# super-block's chunks: two 8-lane accumulators each (8 of AVX2's 16 vector registers),
+# the chunk's four int16 code vectors beside them
+WALK_GROUP = 4
+# (instruction set, kind) where kblock_rows takes int16 activations through kblock_walk
+WALK_PATHS = {(isa, k) for isa in ("avxvnni", "avx2") for k in ("Q4_K", "Q6_K")}
+
+# kblock_rows takes int16 activations through kblock_walk on this CPU, from this many
+# tokens on (one goes through kblock_pass's two int8 levels: no int16 activations to make)
+WALK = (HOST_ISA, "Q4_K") in WALK_PATHS
+WALK_MIN = 2
+
+
+@intrinsic
+def kblock_walk(
+    typingctx, row, row_step, n_w, nblk, x, x_tok, xd, xd_tok, bs, bs_tok, out, out_tok, tokens,
+    acc, codes_buf, isa, kind
+):  # fmt: skip
+    """:func:`kblock_dot` at ``levels`` :data:`WIDE` for the 16 vector registers of AVX2
+    and AVX-VNNI: the same integers and float steps, so the same bits, walked so that
+    nothing spills. There a row's super-block as int16 codes times their scales fills all
+    16 registers, and unpacked two rows at a time ``kblock_dot`` reloads most of it from
+    the stack for every token. Here each weight row's block is unpacked once into
+    ``codes_buf`` (512 bytes, L1), then read a chunk (64 elements, four vectors) at a time
+    for :data:`WALK_GROUP` tokens whose integer sums stay in registers (two, one or
+    fewer for the last of the tokens), each activation vector an operand of its
+    ``vpmaddwd``.
+
+    Arguments as :func:`kblock_dot` without the levels' distances: ``x`` the tokens'
+    int16 activations (:meth:`~kernels.quant.activations.Q8KActivations.widened`),
+    ``xd`` their second level's scales, ``bs`` the paired sums (unread for Q6_K); ``acc``
+    float32 scratch of ``n_w * tokens * (16 + offsets)``; ``isa`` (avx2 or avxvnni) and
+    ``kind`` compile-time."""
+    lit = (_literal(isa, range(len(ISAS))), _literal(kind, tuple(KBLOCK_KINDS)))
+    if any(v is None for v in lit):
+        return None
+    isa_name, kind_v = ISAS[lit[0]], lit[1]
+    name, block_bytes, body, n_sub, zero = KBLOCK_KINDS[kind_v]
+    walk_ok = (isa_name, name) in WALK_PATHS
+    u, i = types.uintp, types.intp
+    sig = types.void(u, i, i, i, u, i, u, i, u, i, u, i, i, u, u, isa, kind)
+
+    def codegen(context, builder, signature, args):
+        if not walk_ok:  # never called (wide_levels says where it is): trap if it were
+            builder.call(_fn(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        row_a, row_step, n_w, nblk_v, x_a, x_tok, xd_a, xd_tok, bs_a, bs_tok = args[:10]
+        out_a, out_tok, tokens_v, acc_a, buf_a = args[10:15]
+        v16, vo, v8i, v16s = _vec(F32, 16), _vec(F32, n_sub), _vec(I32, 8), _vec(I16, 16)
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i, [v16s, v16s])
+        accs = _Accumulators(builder, acc_a, kind_v, n_w, tokens_v)
+
+        def group(blk, w, first, size, d_v, dm_v, mins):
+            """Tokens ``first .. first + size`` times row ``w``'s block in codes_buf
+            (``d_v``, ``dm_v``: its ``d`` and ``dmin`` splat; ``mins`` as float)."""
+            xbs = [
+                builder.add(
+                    builder.add(x_a, builder.mul(builder.add(first, I64(t)), x_tok)),
+                    builder.mul(blk, I64(512)),
+                )
+                for t in range(size)
+            ]
+
+            def chunk(c, sums):
+                """Chunk ``c`` of the block for every token of the group: vector ``k`` of
+                its codes (:func:`_walk_codes`) makes lanes ``8 (k % 2) ..`` of the
+                block's integer sum, ``sums[2 t + k % 2]``."""
+                at = builder.mul(c, I64(128))
+                codes = [_load(builder, builder.add(buf_a, builder.add(at, I64(32 * k))), v16s, 2)
+                         for k in range(4)]  # fmt: skip
+                sums = list(sums)
+                for t in range(size):
+                    for k in range(4):
+                        xv = _load(builder, builder.add(xbs[t], builder.add(at, I64(32 * k))), v16s)
+                        lanes = 2 * t + k % 2
+                        sums[lanes] = builder.add(sums[lanes], builder.call(maddwd, [codes[k], xv]))
+                return sums
+
+            # a loop LLVM keeps rolled: unrolled, it reassociated the sums and spilled them
+            flat = _rolled_loop(builder, 256 // 64, [ir.Constant(v8i, None)] * (2 * size), chunk)
+            isums = [flat[2 * t : 2 * t + 2] for t in range(size)]
+            for t in range(size):
+                j = builder.add(first, I64(t))
+                total = builder.sitofp(_concat(builder, isums[t][0], isums[t][1]), v16)
+                xd_v = _load(
+                    builder,
+                    builder.add(
+                        builder.add(xd_a, builder.mul(j, xd_tok)), builder.mul(blk, I64(4))
+                    ),
+                    F32,
+                    4,
+                )
+                a, a_o = accs.of(builder.add(builder.mul(w, tokens_v), j))
+                # d * xd in every lane (the same product as a scalar one, splat)
+                f = builder.fmul(d_v, _splat(builder, xd_v, 16))
+                builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
+                if zero:
+                    continue
+                bs_j = builder.add(
+                    builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
+                )
+                # float(mins) * float(bsum): both exact (|bsum| < 2^24), so the product
+                # rounded once is float(mins * bsum), the integer path's value
+                bsum = builder.sitofp(_load(builder, bs_j, _vec(I32, n_sub), 4), vo)
+                fm = builder.fmul(dm_v, _splat(builder, xd_v, n_sub))
+                builder.store(
+                    _fma(builder, builder.fmul(mins, bsum), fm, builder.load(a_o, align=4)),
+                    a_o,
+                    align=4,
+                )
+
+        with cgutils.for_range(builder, nblk_v) as blk_loop:
+            blk = blk_loop.index
+            with cgutils.for_range(builder, n_w) as row_loop:
+                w = row_loop.index
+                base = builder.add(
+                    builder.add(row_a, builder.mul(w, row_step)), builder.mul(blk, I64(block_bytes))
+                )
+                stream_ahead(builder, base, block_bytes)
+                d, dm, sc, mins, chunks = body(builder, base)
+                _, pairs = _block_scales(builder, isa_name, sc, chunks)
+                for c, ((codes, _, _), pr) in enumerate(zip(chunks, pairs)):
+                    for k, wide in enumerate(_walk_codes(builder, codes, pr, zero)):
+                        at = builder.add(buf_a, I64(128 * c + 32 * k))
+                        builder.store(
+                            wide, builder.inttoptr(at, ir.PointerType(wide.type)), align=2
+                        )
+                d_v, dm_v = _splat(builder, d, 16), None
+                if not zero:
+                    dm_v = _splat(builder, dm, n_sub)
+                    mins = builder.sitofp(mins, vo)
+                full = builder.udiv(tokens_v, I64(WALK_GROUP))
+                with cgutils.for_range(builder, full) as g:
+                    first = builder.mul(g.index, I64(WALK_GROUP))
+                    group(blk, w, first, WALK_GROUP, d_v, dm_v, mins)
+                left = builder.sub(tokens_v, builder.mul(full, I64(WALK_GROUP)))
+                first = builder.mul(full, I64(WALK_GROUP))
+                with builder.if_then(builder.icmp_unsigned(">=", left, I64(2))):
+                    group(blk, w, first, 2, d_v, dm_v, mins)
+                odd = builder.icmp_unsigned("!=", builder.and_(left, I64(1)), I64(0))
+                with builder.if_then(odd):
+                    group(blk, w, builder.sub(tokens_v, I64(1)), 1, d_v, dm_v, mins)
+        accs.write(out_a, out_tok)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -712,7 +940,12 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     weight row is read and unpacked once for all tokens (:func:`kblock_dot`), the bytes
     :data:`~kernels.quant.simd.STREAM_AHEAD` on asked into L2 block by block."""
     if levels == WIDE and out.shape[0] <= FEW_TOKENS:
-        raise ValueError("int16 activations are for more than FEW_TOKENS tokens")
+        raise ValueError("int16 activations (WIDE) are for more than FEW_TOKENS tokens")
+    if levels == WALKED:
+        if not WALK:
+            raise ValueError("kblock_walk (WALKED) is for AVX2 and AVX-VNNI")
+        if out.shape[0] < WALK_MIN:
+            raise ValueError("int16 activations (WALKED) are for WALK_MIN tokens or more")
     n_rows = part_rows(parts)
     tokens = out.shape[0]
     nblk = xq.shape[1] // 256
@@ -730,8 +963,10 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
             steps[2 * j], steps[2 * j + 1] = 2 * stride, stride
     for t in numba.prange(tasks):
         dots = np.empty(4, np.float32)
-        acc = np.empty(ROW_GROUP * tokens * (16 + n_off), np.float32)
+        # the accumulators, then (kblock_walk) a row's super-block as int16 (512 bytes)
+        acc = np.empty(ROW_GROUP * tokens * (16 + n_off) + 128, np.float32)
         acc_at = acc.ctypes.data
+        buf_at = acc_at + 4 * (acc.size - 128)
         first = t * per
         last = min(first + per, n_rows)
         p, base = part_of(parts, first)
@@ -741,10 +976,18 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
             # up to ROW_GROUP consecutive rows of one part; one token alone goes row by
             # row (two Q6_K rows in registers spill: 130 against 103 us, 2048 x 2048)
             group = min(ROW_GROUP if tokens > 1 else 1, last - n, base + parts[p, 1] - n)
-            if tokens <= FEW_TOKENS:
+            # (levels, not the constant WALK, picks the kernel here: numba 0.68 pruned
+            # `if tokens <= FEW_TOKENS and not walk` as never taken in this inlined
+            # function, for `walk = levels == WIDE and WALK`, and rows were skipped)
+            if tokens <= FEW_TOKENS and levels != WALKED:
                 group = 1
             o_at = out_at + 4 * n
-            if tokens <= FEW_TOKENS:
+            if levels == WALKED:  # int16 activations in 16 vector registers
+                kblock_walk(
+                    row_at, row_bytes, group, nblk, xq_at, qs, xd_at + tokens * ds, ds, bs_at,
+                    ss, o_at, os_, tokens, acc_at, buf_at, ISA, kind
+                )  # fmt: skip
+            elif tokens <= FEW_TOKENS:
                 _passes(
                     kind, row_at, nblk, levels, tokens, xq_at, xd_at, bs_at, steps, dots, out, n
                 )

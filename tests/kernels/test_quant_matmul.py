@@ -275,6 +275,11 @@ for name, k in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 544), ("Q4_1", 544), ("Q5
     paired = np.empty((len(x), w.out_features), np.float32)
     w.kind.decode_parts(table, w.data.shape[1], levels, *args, paired, decode_tasks())
     out["paired " + name] = paired.tolist()
+    for tokens in (2, 3) if not per32 else ():  # kblock_pass, or kblock_walk (AVX2)
+        levels, *args = parts_kernel_args(w.kind, quantize_super_blocks(x[:tokens], levels=2), tokens)
+        few = np.empty((tokens, w.out_features), np.float32)
+        w.kind.decode_parts(table, w.data.shape[1], levels, *args, few, decode_tasks())
+        out[f"{tokens} tokens {name}"] = few.tolist()
 """
 
 
@@ -420,30 +425,158 @@ def test_superblock_codegen_for_other_cpus(isa, cpu, want, absent, kind, levels)
     assert not re.search(absent, asm)
 
 
-_WIDE_CPUS = [
-    ("avx512vnni", "znver4", r"vpdpwssd\s[^\n]*%zmm", r"vpmullw\s[^\n]*%zmm", "vpmaddwd"),
-    ("avxvnni", "alderlake", r"vpmaddwd\s[^\n]*%ymm|vpdpwssd", r"vpmullw\s[^\n]*%ymm", "zmm"),
-    ("avx2", "haswell", r"vpmaddwd\s[^\n]*%ymm", r"vpmullw\s[^\n]*%ymm", "zmm|vpdpwssd"),
-]
-
-
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("isa", "cpu", "dot", "scale", "absent"), _WIDE_CPUS)
-def test_wide_codegen(kind, isa, cpu, dot, scale, absent):
-    """Two levels as int16 (Q4_K, Q6_K, more than FEW_TOKENS tokens): one vpdpwssd per 32
-    elements and token (AVX-512 VNNI), or a vpmaddwd and an add per 16 (AVX2, AVX-VNNI),
-    no vpmaddubsw (the codes are multiplied by their scales once, as i16)."""
+def test_wide_codegen(kind):
+    """Two levels as int16 on AVX-512 VNNI (Q4_K, Q6_K, more than FEW_TOKENS tokens): one
+    vpdpwssd per 32 elements and token, no vpmaddubsw (the codes are multiplied by their
+    scales once, as i16). Elsewhere kblock_dot's int16 path traps: AVX2 and AVX-VNNI walk
+    (kblock_walk)."""
     import re
 
     from numba import types
 
-    from kernels.quant.superblock import KBLOCK_CODES, WIDE, kblock_dot
+    from kernels.quant.superblock import KBLOCK_CODES, WIDE, WIDE_PATHS, kblock_dot
 
     u, lit = types.uintp, types.literal
-    argtypes = [u] * 16 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind]), lit(WIDE)]
-    asm = _asm_for(kblock_dot, argtypes, cpu)
-    assert re.search(dot, asm) and re.search(scale, asm)
+    argtypes = [u] * 16 + [lit(ISA_CODES["avx512vnni"]), lit(KBLOCK_CODES[kind]), lit(WIDE)]
+    asm = _asm_for(kblock_dot, argtypes, "znver4")
+    assert re.search(r"vpdpwssd\s[^\n]*%zmm", asm) and re.search(r"vpmullw\s[^\n]*%zmm", asm)
+    assert not re.search("vpmaddubsw|vpdpbusd|vpmaddwd", asm)
+    assert {isa for isa, _ in WIDE_PATHS} == {"avx512vnni"}
+    argtypes[-3] = lit(ISA_CODES["avx2"])
+    assert "ud2" in _asm_for(kblock_dot, argtypes, "haswell")  # llvm.trap
+
+
+def _inner_loops(asm: str) -> list[list[str]]:
+    """The instructions of each innermost loop of ``asm`` (from a label to a jump back to
+    it, with no other jump back in between)."""
+    import re
+
+    lines = asm.splitlines()
+    labels = {line.split(":")[0]: i for i, line in enumerate(lines) if re.match(r"^\.?\w+:", line)}
+    back = []  # (first line, jump line) of each jump back
+    for i, line in enumerate(lines):
+        jump = re.match(r"\s+j\w+\s+(\.\w+)", line)
+        if jump and labels.get(jump.group(1), i) < i:
+            back.append((labels[jump.group(1)], i))
+    return [
+        [
+            x.strip()
+            for x in lines[s : e + 1]
+            if x.startswith("\t") and not x.strip().startswith(".")
+        ]
+        for s, e in back
+        if not any(s <= s2 and e2 < e for s2, e2 in back)
+    ]
+
+
+_WALK_CPUS = [
+    ("avx2", "haswell", r"vpmaddwd\s[^\n]*%ymm", "zmm|vpdpwssd"),
+    ("avxvnni", "alderlake", r"\{vex\}\s+vpdpwssd\s[^\n]*%ymm", "zmm"),
+]
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("isa", "cpu", "dot", "absent"), _WALK_CPUS)
+def test_walk_codegen_keeps_the_sums_in_registers(kind, isa, cpu, dot, absent):
+    """kblock_walk on the 16 vector registers of AVX2 / AVX-VNNI: the codes widened by
+    in-lane byte shuffles (vpshufb), then the loop over a block's chunks with four tokens'
+    integer sums in registers: no stack access in it (the point of the kernel: unpacked
+    two rows at a time, kblock_dot reloaded most of a block from the stack per token)."""
+    import re
+
+    from numba import types
+
+    from kernels.quant.superblock import KBLOCK_CODES, WALK_GROUP, kblock_walk
+
+    u, lit = types.uintp, types.literal
+    argtypes = [u] * 15 + [lit(ISA_CODES[isa]), lit(KBLOCK_CODES[kind])]
+    asm = _asm_for(kblock_walk, argtypes, cpu)
+    assert re.search(dot, asm) and re.search(r"vpshufb\s[^\n]*%ymm", asm)
     assert not re.search(f"vpmaddubsw|vpdpbusd|{absent}", asm)
+    products = [
+        sum(bool(re.match(r"(\{vex\}\s+)?vp(maddwd|dpwssd)", x)) for x in body)
+        for body in _inner_loops(asm)
+    ]
+    dots = [body for body, n in zip(_inner_loops(asm), products) if n]
+    # the chunk loops of WALK_GROUP, 2 and 1 tokens: a product per code vector and token
+    assert sorted(n for n in products if n) == [4, 8, 4 * WALK_GROUP]
+    for body in dots:
+        assert not any("rsp" in x for x in body), body
+
+
+_WALK_SCRIPT = """
+import json, numpy as np
+from gguf import GGMLQuantizationType as Q
+from kernels.quant import HOST_ISA, quant_type
+from kernels.quant.activations import quantize_super_blocks
+from kernels.quant.bench import random_blocks
+from kernels.quant.matmul import decode_tasks, parts_kernel_args
+from kernels.quant.superblock import ROW_GROUP, WALK, WALK_MIN, WALKED
+out = {"isa": HOST_ISA, "walk": WALK, "min": WALK_MIN, "checked": []}
+rows = 2 * ROW_GROUP + 5  # two row groups and a remainder
+for name in ("Q4_K", "Q6_K"):
+    kind = quant_type(Q[name])
+    raw = random_blocks(Q[name], rows, 1024, np.random.default_rng(5))
+    if name == "Q6_K":  # rows 0-9 at the extremes: codes 0 (-32) or 63, scales -128 / 127
+        blocks = raw[:10].reshape(10, -1, 210)
+        blocks[:5, :, :192] = 0
+        blocks[5:, :, :192] = 0xFF
+        blocks[:5, :, 192:208] = np.array([-128] * 16, np.int8).view(np.uint8)
+        blocks[5:, :, 192:208] = np.array([127] * 16, np.int8).view(np.uint8)
+    table = np.array([[raw.ctypes.data, rows]], np.int64)
+    for tokens in (2, 3, 4, 5, 6, 7, 9, 17):
+        x = np.random.default_rng(tokens).standard_normal((tokens, 1024)).astype(np.float32) * 3
+        x[:2] = [[3.0], [-3.0]]  # every activation at its level's largest code
+        x[:, 5] = 80.0
+        act = quantize_super_blocks(x, levels=2)
+        levels, *args = parts_kernel_args(kind, act, tokens)
+        walked = np.empty((tokens, rows), np.float32)
+        kind.decode_parts(table, raw.shape[1], levels, *args, walked, decode_tasks())
+        q, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+        two = np.empty((tokens, rows), np.float32)
+        kind.decode_parts(table, raw.shape[1], 2, q, d, bsum, two, decode_tasks())
+        assert levels == WALKED, (name, tokens)
+        assert np.array_equal(walked, two), (name, tokens)
+        out["checked"].append([name, tokens])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+def test_walk_kernel_gives_the_two_level_bits(isa):
+    """On AVX2 and AVX-VNNI, Q4_K and Q6_K take int16 activations from WALK_MIN tokens on
+    (kblock_walk): the same bits as the two int8 levels paired (kblock_pass up to
+    FEW_TOKENS tokens, kblock_dot above), for groups of four, two and one token and row
+    groups with a remainder, Q6_K's codes and scales at their extremes (a lane's int32
+    bound). The other ISA paths give those bits too (test_every_isa_path_gives_the_same_bits)."""
+    if ISA_CODES[isa] > ISA_CODES[HOST_ISA]:
+        pytest.skip(f"this CPU has no {isa}")
+    env = dict(os.environ, FOLIO_QUANT_ISA=isa)
+    got = run_json(_WALK_SCRIPT, env=env)
+    assert got["isa"] == isa and got["walk"] and got["min"] == 2
+    assert len(got["checked"]) == 16
+
+
+def test_walk_refuses_what_it_is_not_for():
+    """kblock_rows takes WALKED only where kblock_walk is built (else its kernel traps)
+    and from WALK_MIN tokens on; WIDE only above FEW_TOKENS: each a clear error."""
+    from kernels.quant.activations import quantize_super_blocks
+    from kernels.quant.superblock import FEW_TOKENS, WALK, WALK_MIN, WALKED, WIDE
+
+    kind = quant_type(Q.Q4_K)
+    raw, _ = _weight(Q.Q4_K, 3, 256, seed=8)
+    table = np.array([[raw.ctypes.data, 3]], np.int64)
+    act = quantize_super_blocks(np.ones((FEW_TOKENS, 256), np.float32), levels=2)
+    _, d, bsum = act.kernel_args(kind.activation_order, kind.sub_block, paired=True)
+    x16 = act.widened(kind.activation_order)
+    out = np.empty((FEW_TOKENS, 3), np.float32)
+    with pytest.raises(ValueError, match="FEW_TOKENS"):
+        kind.decode_parts(table, raw.shape[1], WIDE, x16, d, bsum, out, 1)
+    one = WALK_MIN - 1
+    match = "WALK_MIN" if WALK else "AVX2 and AVX-VNNI"
+    with pytest.raises(ValueError, match=match):
+        kind.decode_parts(table, raw.shape[1], WALKED, x16[:one], d, bsum, out[:one], 1)
 
 
 @pytest.mark.parametrize("rows", [3, 11])
@@ -477,10 +610,10 @@ def test_wide_kernel_gives_the_two_level_bits(qtype, tokens):
     Q6_K's scales at both ends of int8 and its codes at both ends of their range reach
     the int32 bound of a lane (16 x 4,096 x 32,640) and must not wrap."""
     from kernels.quant.activations import quantize_super_blocks
-    from kernels.quant.superblock import WIDE, wide_pairs
+    from kernels.quant.superblock import WIDE, wide_levels
 
-    if not wide_pairs(qtype.name, tokens):
-        pytest.skip("no x86 SIMD here (the generic kernels): the int16 path is not used")
+    if wide_levels(qtype.name, tokens) != WIDE:
+        pytest.skip("no AVX-512 VNNI here: AVX2 and AVX-VNNI walk (test_walk_kernel_...)")
     kind = quant_type(qtype)
     raw, _ = _weight(qtype, 70, 1024, seed=21)
     if qtype == Q.Q6_K:  # rows 0-9 at the extremes: codes 0 (-32) or 63, scales -128 / 127
