@@ -632,9 +632,8 @@ def kblock_walk(
     16 registers, and unpacked two rows at a time ``kblock_dot`` reloads most of it from
     the stack for every token. Here each weight row's block is unpacked once into
     ``codes_buf`` (512 bytes, L1), then read a chunk (64 elements, four vectors) at a time
-    for :data:`WALK_GROUP` tokens whose integer sums stay in registers (two, one or
-    fewer for the last of the tokens), each activation vector an operand of its
-    ``vpmaddwd``.
+    for :data:`WALK_GROUP` tokens whose integer sums stay in registers (then two and one
+    for the tokens left), each activation vector an operand of its ``vpmaddwd``.
 
     Arguments as :func:`kblock_dot` without the levels' distances: ``x`` the tokens'
     int16 activations (:meth:`~kernels.quant.activations.Q8KActivations.widened`),
@@ -931,7 +930,11 @@ def kblock_rows(kind, parts, row_bytes, levels, xq, xd, bsum, out, tasks):
     or with the two levels of token ``t``, rows ``t`` and ``t + T`` (``levels`` 2: an
     activation and what its int8 rounding left, at 1/256 of its scale,
     :func:`~kernels.quant.activations.quantize_super_blocks`; ``bsum`` then the paired
-    sums, one row per token), for every ``t < T`` and ``n``.
+    sums, one row per token), for every ``t < T`` and ``n``. ``levels`` :data:`WIDE` or
+    :data:`WALKED` (as :func:`wide_levels` says): the two levels as one int16 per element
+    (``xq``: :meth:`~kernels.quant.activations.Q8KActivations.widened`, one row per token;
+    ``xd`` both levels' scales as for 2), through :func:`kblock_dot` or
+    :func:`kblock_walk`.
 
     The weight rows are those of ``parts`` in order (int64 ``[P, 2]``: the address of a
     part's first row, its row count; every part ``row_bytes`` per row, of one ``kind``):
