@@ -356,6 +356,16 @@ def _wide_isum(builder, isa: str, wide_codes, xs):
     return builder.sitofp(isum, _vec(F32, 16))
 
 
+def _offsets_fma(builder, mins, bsum, fm, acc):
+    """A block and token's offsets in float: ``acc + float(mins) * float(bsum) * fm``,
+    lane-wise (``mins``, ``bsum``: the sub-blocks' mins and the token's paired sums as
+    float vectors; ``fm``: ``dmin * xd`` splat). Both are exact in float32 (|bsum| <
+    2^24), so their product rounded once is ``float(mins * bsum)``, the integer product
+    (< 2^31) converted: the same bits as multiplying in integers, without ``vpmulld``
+    (two micro-ops, ten cycles' latency) and with ``mins`` converted once per block."""
+    return _fma(builder, builder.fmul(mins, bsum), fm, acc)
+
+
 class _Accumulators:
     """The float32 accumulators of :func:`kblock_dot` and :func:`kblock_walk` at ``at``:
     per row-token (``n_w`` rows x ``tokens``, row-major) 16 lanes, then the kind's
@@ -415,9 +425,10 @@ def kblock_dot(
     Each super-block is unpacked once, into registers, for all tokens (a loop over the
     tokens inside the loop over blocks, the accumulators in ``acc``), two rows at a time
     where ``n_w`` allows, so that each activation vector is loaded once for both rows (the
-    loads, not the multiplies, bound the dot products at several tokens). Per super-block and token, in integers (exact):
-    ``isum = sum_s sc[s] * dot_s``, ``imin = sum_s mins[s] * bsum[s]``; then in float32
-    ``acc += float(isum) * (d * xd) + float(imin) * (dm * xd)``, lane-wise with
+    loads, not the multiplies, bound the dot products at several tokens). Per super-block
+    and token, exact: ``isum = sum_s sc[s] * dot_s`` in integers, ``imin = mins * bsum``
+    per sub-block (in float, :func:`_offsets_fma`); then in float32
+    ``acc += float(isum) * (d * xd) + imin * (dm * xd)``, lane-wise with
     ``llvm.fma`` and summed by a fixed tree at the end: the same operations for a token
     whatever the number of tokens (batch invariance).
 
@@ -453,6 +464,8 @@ def kblock_dot(
             )
             stream_ahead(builder, base, block_bytes)
             d, dm, sc, mins, chunks = body(builder, base)
+            if not zero:
+                mins = builder.sitofp(mins, vo)
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
             codes = [c for c, _, _ in chunks]
             if n_levels == WIDE:  # the codes times their scales, as i16, once per block
@@ -502,7 +515,7 @@ def kblock_dot(
                     bs_j = builder.add(
                         builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
                     )
-                    bsum = _load(builder, bs_j, _vec(I32, n_sub), 4)
+                    bsum = builder.sitofp(_load(builder, bs_j, _vec(I32, n_sub), 4), vo)
                 for w, unpacked in zip(ws, rows):
                     d, dm, mins = unpacked[:3]
                     if n_levels == WIDE:
@@ -521,13 +534,9 @@ def kblock_dot(
                     builder.store(_fma(builder, total, f, builder.load(a, align=4)), a, align=4)
                     if zero:
                         continue
-                    imin = builder.mul(mins, bsum)
                     fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
-                    builder.store(
-                        _fma(builder, builder.sitofp(imin, vo), fm, builder.load(a_o, align=4)),
-                        a_o,
-                        align=4,
-                    )
+                    step = _offsets_fma(builder, mins, bsum, fm, builder.load(a_o, align=4))
+                    builder.store(step, a_o, align=4)
 
         with cgutils.for_range(builder, nblk_v) as loop:
             blk = loop.index
@@ -708,15 +717,10 @@ def kblock_walk(
                 bs_j = builder.add(
                     builder.add(bs_a, builder.mul(j, bs_tok)), builder.mul(blk, I64(4 * n_sub))
                 )
-                # float(mins) * float(bsum): both exact (|bsum| < 2^24), so the product
-                # rounded once is float(mins * bsum), the integer path's value
                 bsum = builder.sitofp(_load(builder, bs_j, _vec(I32, n_sub), 4), vo)
                 fm = builder.fmul(dm_v, _splat(builder, xd_v, n_sub))
-                builder.store(
-                    _fma(builder, builder.fmul(mins, bsum), fm, builder.load(a_o, align=4)),
-                    a_o,
-                    align=4,
-                )
+                step = _offsets_fma(builder, mins, bsum, fm, builder.load(a_o, align=4))
+                builder.store(step, a_o, align=4)
 
         with cgutils.for_range(builder, nblk_v) as blk_loop:
             blk = blk_loop.index
@@ -774,9 +778,9 @@ def kblock_pass(
     between the levels). ``rows`` (1, 2 or 4), ``isa``, ``kind`` and ``paired`` are
     compile-time.
 
-    Per super-block and row, in integers (exact): ``isum = sum_s sc[s] * dot_s``,
-    ``imin = sum_s mins[s] * bsum[s]``; then in float32
-    ``acc += float(isum) * (d * xd) + float(imin) * (dm * xd)``, lane-wise with
+    Per super-block and row, exact: ``isum = sum_s sc[s] * dot_s`` in integers,
+    ``imin = mins * bsum`` per sub-block (in float, :func:`_offsets_fma`); then in float32
+    ``acc += float(isum) * (d * xd) + imin * (dm * xd)``, lane-wise with
     ``llvm.fma`` and summed by a fixed tree at the end.
 
     ``paired``: rows ``2j`` and ``2j + 1`` are the two levels of token ``j``, the second
@@ -826,6 +830,8 @@ def kblock_pass(
             base = builder.add(row_a, builder.mul(blk, I64(block_bytes)))
             stream_ahead(builder, base, block_bytes)
             d, dm, sc, mins, chunks = body(builder, base)
+            if not zero:
+                mins = builder.sitofp(mins, vo)
             lanes, pairs = _block_scales(builder, isa_name, sc, chunks)
 
             def isum_of(r):
@@ -852,16 +858,11 @@ def kblock_pass(
                 builder.store(_fma(builder, total, f, builder.load(acc[j])), acc[j])
                 if zero:  # no offsets
                     continue
-                bsum = _load(
-                    builder,
-                    builder.add(bsr[j], builder.mul(blk, I64(4 * n_sub))),
-                    _vec(I32, n_sub),
-                    4,
-                )
-                imin = builder.mul(mins, bsum)
+                bs_j = builder.add(bsr[j], builder.mul(blk, I64(4 * n_sub)))
+                bsum = builder.sitofp(_load(builder, bs_j, _vec(I32, n_sub), 4), vo)
                 fm = _splat(builder, builder.fmul(dm, xd_v), n_sub)
                 builder.store(
-                    _fma(builder, builder.sitofp(imin, vo), fm, builder.load(acc_o[j])), acc_o[j]
+                    _offsets_fma(builder, mins, bsum, fm, builder.load(acc_o[j])), acc_o[j]
                 )
         for j in range(n_out):
             total = _tree_sum(builder, builder.load(acc[j]))
