@@ -327,6 +327,11 @@ if HAS_NUMBA:
     # page every few slots, where the hardware's stream prefetch stops (Llama-3.2-1B
     # shapes, 3,000 tokens, 16 layers' pages cold, 2 threads: 0.95 -> 0.79 ms a layer)
     _SLOTS_AHEAD = 8
+    # Slots whose scores are made before one online-softmax rescale (whole pages: 4 of 16
+    # slots): a rescale per 16-slot page (its max, exp, sum and the accumulators scaled,
+    # per query head) was a quarter of the kernel (Llama-3.2-1B shape, 513 tokens, fp16
+    # pages, 2 threads: 137 us a layer on 16-slot pages against 105 on 64-slot ones)
+    _SPAN_SLOTS = 64
 
     # No fast-math flags (as kernels/quant/simd.py): with reassociation or contraction
     # allowed, numba's JIT and its on-disk cache compiled this kernel to other last bits
@@ -403,6 +408,14 @@ if HAS_NUMBA:
             weighted_rows(acc_at, acc_step, w_at, w_step, v_row, v_step, n, width, 1, half)
 
     @numba.njit(cache=True, inline="always")
+    def _page_slots(table, logical, g0, page_size, lo, context):
+        """Logical page ``logical`` of a group that starts at ``g0``: (its page in the pool,
+        its first slot's column in the group's scores, its live slots ``first .. last``)."""
+        first = max(logical * page_size, lo) - logical * page_size
+        last = min((logical + 1) * page_size, context) - logical * page_size
+        return table[logical], (logical - g0) * page_size, first, last
+
+    @numba.njit(cache=True, inline="always")
     def _sum4(a, first, last):
         """``a[first:last]`` summed in four partial sums, then ``(s0 + s1) + (s2 + s3)``."""
         s0 = s1 = s2 = s3 = np.float32(0.0)
@@ -436,9 +449,12 @@ if HAS_NUMBA:
             total = np.zeros(rows, dtype=np.float32)
             acc = np.zeros((rows, head_dim), dtype=np.float32)
             row = np.empty(head_dim, dtype=np.float32)
-            scores = np.empty((rows, page_size), dtype=np.float32)
-            shifted = np.empty(page_size, dtype=np.float32)
-            bits = np.empty(page_size, dtype=np.int32)
+            # the scores of ``span`` pages at a time (SPAN_SLOTS slots or one page), one
+            # online-softmax rescale per such group rather than per page
+            span = max(1, _SPAN_SLOTS // page_size)
+            scores = np.empty((rows, span * page_size), dtype=np.float32)
+            shifted = np.empty(span * page_size, dtype=np.float32)
+            bits = np.empty(span * page_size, dtype=np.int32)
             k_rows, v_rows = kd.strides[1], vd.strides[1]  # bytes from a slot to the next
             k_ahead = (2 if kbits == 16 else 4) * head_dim * heads_per_task  # a slot's bytes
             v_ahead = (2 if vbits == 16 else 4) * head_dim * heads_per_task
@@ -449,86 +465,105 @@ if HAS_NUMBA:
             for j in range(rows):
                 for d in range(head_dim):
                     qs[j, d] = q[b, h0 * group + j, d] * scale
-            for logical in range(lo // page_size, (context + page_size - 1) // page_size):
-                page = tables[b, logical]
-                first = max(logical * page_size, lo) - logical * page_size
-                last = min((logical + 1) * page_size, context) - logical * page_size
-                k_at = kd.ctypes.data + page * kd.strides[0] + h0 * kd.strides[2]
-                v_at = vd.ctypes.data + page * vd.strides[0] + h0 * vd.strides[2]
-                # scores for the whole page, then one rescale per query head
-                for slot in range(first, last):
-                    if kbits == 0 or kbits == 16:  # past the page's end: another page's
-                        prefetch(k_at + (slot + _SLOTS_AHEAD) * k_rows, k_ahead)  # or none
-                    if vbits == 0 or vbits == 16:  # this slot's values, read after the softmax
-                        prefetch(v_at + slot * v_rows, v_ahead)
-                    for hh in range(heads_per_task):
-                        h = h0 + hh
-                        if kbits == 0:  # fp32 pages: read in place
-                            k_row = k_at + slot * k_rows + hh * k_head
-                        elif kbits == 16:
-                            halves_to_floats(
-                                k_at + slot * k_rows + hh * k_head, row.ctypes.data, head_dim
-                            )
-                            k_row = row.ctypes.data
-                        else:
-                            _load_row(kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row)
-                            k_row = row.ctypes.data
-                        # the group's query heads four at a time (their lane sums
-                        # together), the rest one by one
-                        g = 0
-                        while g + 4 <= group:
-                            q_row = qs.ctypes.data + (hh * group + g) * q_step
-                            float_dots4(q_row, q_step, k_row, head_dim, four.ctypes.data)
-                            for j in range(4):
-                                scores[hh * group + g + j, slot] = four[j]
-                            g += 4
-                        while g < group:
-                            q_row = qs.ctypes.data + (hh * group + g) * q_step
-                            scores[hh * group + g, slot] = float_dot(q_row, k_row, head_dim)
-                            g += 1
-                if has_offset:
-                    # q . R(key) mu as one more dot product per key (KeyOffset.query_terms)
+            first_page = lo // page_size
+            end_page = (context + page_size - 1) // page_size
+            for g0 in range(first_page, end_page, span):
+                g1 = min(g0 + span, end_page)
+                # the group's slots lie at (logical - g0) * page_size + slot in ``scores``;
+                # only the first page may start late (a window) and the last end early
+                g_first = max(g0 * page_size, lo) - g0 * page_size
+                g_last = min(g1 * page_size, context) - g0 * page_size
+                for logical in range(g0, g1):
+                    page, off, first, last = _page_slots(
+                        tables[b], logical, g0, page_size, lo, context
+                    )
+                    k_at = kd.ctypes.data + page * kd.strides[0] + h0 * kd.strides[2]
+                    v_at = vd.ctypes.data + page * vd.strides[0] + h0 * vd.strides[2]
                     for slot in range(first, last):
-                        key = logical * page_size + slot
-                        for j in range(rows):
-                            dot = float_dot(
-                                zq.ctypes.data
-                                + (b * zq.strides[0])
-                                + (h0 * group + j) * zq.strides[1],
-                                offset_table.ctypes.data + key * offset_table.strides[0],
-                                head_dim,
-                            )
-                            scores[j, slot] += dot
+                        if kbits == 0 or kbits == 16:  # past the page's end: another page's
+                            prefetch(k_at + (slot + _SLOTS_AHEAD) * k_rows, k_ahead)  # or none
+                        if vbits == 0 or vbits == 16:  # this slot's values, read after the softmax
+                            prefetch(v_at + slot * v_rows, v_ahead)
+                        for hh in range(heads_per_task):
+                            h = h0 + hh
+                            if kbits == 0:  # fp32 pages: read in place
+                                k_row = k_at + slot * k_rows + hh * k_head
+                            elif kbits == 16:
+                                halves_to_floats(
+                                    k_at + slot * k_rows + hh * k_head, row.ctypes.data, head_dim
+                                )
+                                k_row = row.ctypes.data
+                            else:
+                                _load_row(
+                                    kd, kc, ks, kz, kasym, half_table, kbits, page, slot, h, row
+                                )
+                                k_row = row.ctypes.data
+                            # the group's query heads four at a time (their lane sums
+                            # together), the rest one by one
+                            g = 0
+                            while g + 4 <= group:
+                                q_row = qs.ctypes.data + (hh * group + g) * q_step
+                                float_dots4(q_row, q_step, k_row, head_dim, four.ctypes.data)
+                                for j in range(4):
+                                    scores[hh * group + g + j, off + slot] = four[j]
+                                g += 4
+                            while g < group:
+                                q_row = qs.ctypes.data + (hh * group + g) * q_step
+                                scores[hh * group + g, off + slot] = float_dot(
+                                    q_row, k_row, head_dim
+                                )
+                                g += 1
+                    if has_offset:
+                        # q . R(key) mu as one more dot product per key (KeyOffset.query_terms)
+                        for slot in range(first, last):
+                            key = logical * page_size + slot
+                            for j in range(rows):
+                                dot = float_dot(
+                                    zq.ctypes.data
+                                    + (b * zq.strides[0])
+                                    + (h0 * group + j) * zq.strides[1],
+                                    offset_table.ctypes.data + key * offset_table.strides[0],
+                                    head_dim,
+                                )
+                                scores[j, off + slot] += dot
+                # one online-softmax rescale per group of pages
                 for j in range(rows):
-                    row_scores = scores.ctypes.data + j * scores.strides[0] + first * 4
-                    new_best = float_max(row_scores, last - first, best[j])
+                    row_scores = scores.ctypes.data + j * scores.strides[0] + g_first * 4
+                    new_best = float_max(row_scores, g_last - g_first, best[j])
                     alpha = np.exp(best[j] - new_best)
                     total[j] *= alpha
                     for d in range(head_dim):
                         acc[j, d] *= alpha
-                    for slot in range(first, last):
+                    for slot in range(g_first, g_last):
                         shifted[slot] = scores[j, slot] - new_best
                     # exp as vectorised arithmetic (kernels/quant/fastexp.py): numba's
                     # np.exp calls libm per element, a fifth of the kernel at 3,000 tokens
-                    exp_into(shifted[first:], scores[j, first:], bits, last - first)
-                    total[j] += _sum4(scores[j], first, last)
+                    exp_into(shifted[g_first:], scores[j, g_first:], bits, g_last - g_first)
+                    total[j] += _sum4(scores[j], g_first, g_last)
                     best[j] = new_best
-                if vbits == 0 or vbits == 16:
-                    # unquantized values head by head, the page's slots in one call per
-                    # four query heads (their accumulators in registers)
-                    for hh in range(heads_per_task):
-                        v_row = v_at + first * v_rows + hh * v_head
-                        _weigh_values(acc, scores, hh * group, group, first, last - first,
-                                      v_row, v_rows, vbits == 16)  # fmt: skip
-                else:
-                    for slot in range(first, last):
+                for logical in range(g0, g1):
+                    page, off, first, last = _page_slots(
+                        tables[b], logical, g0, page_size, lo, context
+                    )
+                    v_at = vd.ctypes.data + page * vd.strides[0] + h0 * vd.strides[2]
+                    if vbits == 0 or vbits == 16:
+                        # unquantized values head by head, the page's slots in one call per
+                        # four query heads (their accumulators in registers)
                         for hh in range(heads_per_task):
-                            h = h0 + hh
-                            _load_row(vd, vc, vs, vz, vasym, half_table, vbits, page, slot, h, row)
-                            for g in range(group):
-                                w = scores[hh * group + g, slot]
-                                for d in range(head_dim):
-                                    acc[hh * group + g, d] += w * row[d]
+                            v_row = v_at + first * v_rows + hh * v_head
+                            _weigh_values(acc, scores, hh * group, group, off + first,
+                                          last - first, v_row, v_rows, vbits == 16)  # fmt: skip
+                    else:
+                        for slot in range(first, last):
+                            for hh in range(heads_per_task):
+                                h = h0 + hh
+                                _load_row(
+                                    vd, vc, vs, vz, vasym, half_table, vbits, page, slot, h, row
+                                )
+                                for g in range(group):
+                                    w = scores[hh * group + g, off + slot]
+                                    for d in range(head_dim):
+                                        acc[hh * group + g, d] += w * row[d]
             for j in range(rows):
                 for d in range(head_dim):
                     out[b, h0 * group + j, d] = acc[j, d] / total[j]
@@ -591,9 +626,9 @@ def paged_decode_numba(
     """Decode step (every ``q_lens[b] == 1``) by a numba kernel that reads K/V pages in place.
 
     One task per sequence (all its KV heads) when the batch fills the threads, else per
-    (sequence, KV head): scores of the query heads sharing a KV head over a whole page,
-    one online-softmax rescale per page, quantized rows decoded in the rotated
-    domain on the fly.  CPU tensors with fp32, fp16 or quantized pages (see
+    (sequence, KV head): scores of the query heads sharing a KV head over a few pages
+    at a time (``_SPAN_SLOTS`` slots, or one longer page), one online-softmax rescale per
+    such group, quantized rows decoded in the rotated domain on the fly.  CPU tensors with fp32, fp16 or quantized pages (see
     :func:`numba_supported`).
     """
     _check_call(q, kv, block_tables, seq_lens, q_lens, decode_path="paged_decode_numba")

@@ -371,13 +371,41 @@ def _side_by_side(args: Namespace, path: Path, named: dict, mix: dict) -> None:
             _emit({**base, "round": "best", **llama})
     if not args.llama_cpp:
         return
+    record = {**base, "engine": "ratio", "folio_over_llama_cpp": speed_ratios(folio, llama)}
+    if len(llamas) > 1:  # each round's pair too: the host's slow minutes hit pairs alike
+        record["paired"] = paired_ratios(folios, llamas)
+    _emit(record)
+
+
+def speed_ratios(folio: dict, llama: dict) -> dict:
+    """Folio's figures over llama.cpp's (two decimals; None where either is missing)."""
 
     def ratio(a, b):
         return round(a / b, 2) if a and b else None
 
-    _emit({**base, "engine": "ratio", "folio_over_llama_cpp": {
+    return {
         "prefill": ratio(folio["prefill_tok_s"], llama["prefill_tok_s"]),
         "decode": ratio(folio["decode_tok_s"], llama["decode_tok_s"]),
         **{f"s_tg_B{b}": ratio(folio["s_tg"].get(b), llama["s_tg"].get(b)) for b in folio["s_tg"]},
         "peak_rss": ratio(folio["peak_rss_bytes"], llama["peak_rss_bytes"]),
-    }})  # fmt: skip
+    }
+
+
+def paired_ratios(folios: list[dict], llamas: list[dict]) -> dict:
+    """Round by round, Folio's figures over llama.cpp's of the same round: each figure's
+    ratios in round order (``rounds``) and their median (``median``; the mean of the
+    middle two for an even count). On a shared host whose read bandwidth moves by a third
+    from one minute to the next, the best of each engine's rounds may come from different
+    minutes; a pair ran minutes apart at most."""
+    per = [speed_ratios(f, ll) for f, ll in zip(folios, llamas, strict=True)]
+    rounds = {key: [p[key] for p in per] for key in per[0]}
+    median = {}
+    for key, values in rounds.items():
+        known = sorted(v for v in values if v is not None)
+        mid = len(known) // 2
+        if known:
+            middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+            median[key] = round(middle, 3)
+        else:
+            median[key] = None
+    return {"median": median, "rounds": rounds}

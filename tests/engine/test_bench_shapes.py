@@ -460,3 +460,30 @@ def test_beside_llama_cpp_a_bad_file_or_folder_is_said_before_anything_runs(tmp_
     assert main(["bench", "forward", "--model", str(gguf_file), "--llama-cpp", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "lacks llama-bench" in err and "README" in err
+
+
+def test_rounds_in_turns_give_each_pair_its_ratio_and_their_median():
+    """With several rounds, the ratio record carries each round's Folio / llama.cpp and
+    their median beside the best-of ratios: a pair runs minutes apart, where each
+    engine's best round may come from a faster minute of the host than the other's."""
+    from engine.bench.real_shapes import best_of, paired_ratios, speed_ratios
+
+    def rec(prefill, decode, b16, rss):
+        return {"prefill_tok_s": prefill, "decode_tok_s": decode, "s_tg": {"16": b16},
+                "peak_rss_bytes": rss}  # fmt: skip
+
+    folios = [rec(150.0, 30.0, 120.0, 100), rec(160.0, 40.0, 126.0, 100), rec(150.0, 33.0, 0.0, 90)]
+    llamas = [rec(100.0, 32.0, 80.0, 200), rec(140.0, 36.0, 70.0, 200), rec(120.0, 30.0, 60.0, 200)]
+    paired = paired_ratios(folios, llamas)
+    # per round, in order; a missing figure (a zero rate) is None and left out of the median
+    assert paired["rounds"]["decode"] == [0.94, 1.11, 1.1]
+    assert paired["rounds"]["s_tg_B16"] == [1.5, 1.8, None]
+    assert paired["median"]["decode"] == 1.1
+    assert paired["median"]["prefill"] == 1.25  # 1.5, 1.14, 1.25
+    assert paired["median"]["s_tg_B16"] == 1.65  # an even count: the middle two's mean
+    assert paired["median"]["peak_rss"] == 0.5
+    # the best rounds' ratio can differ from every pair's: 40 / 36 here
+    best = speed_ratios(best_of(folios), best_of(llamas))
+    assert best["decode"] == 1.11 and best["prefill"] == round(160 / 140, 2)
+    with pytest.raises(ValueError):  # a round without its pair is a bug, not a figure
+        paired_ratios(folios, llamas[:2])
