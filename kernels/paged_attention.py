@@ -328,9 +328,10 @@ if HAS_NUMBA:
     # shapes, 3,000 tokens, 16 layers' pages cold, 2 threads: 0.95 -> 0.79 ms a layer)
     _SLOTS_AHEAD = 8
     # Slots whose scores are made before one online-softmax rescale (whole pages: 4 of 16
-    # slots): a rescale per 16-slot page (its max, exp, sum and the accumulators scaled,
-    # per query head) was a quarter of the kernel (Llama-3.2-1B shape, 513 tokens, fp16
-    # pages, 2 threads: 137 us a layer on 16-slot pages against 105 on 64-slot ones)
+    # slots), where a rescale per 16-slot page (its max, exp, sum and the accumulators
+    # scaled, per query head) cost a seventh of the kernel (Llama-3.2-1B shape, 513
+    # tokens, fp16 pages, 2 threads, warm, processes in turns: medians 133 us a layer
+    # rescaling per page, 114 per 64 slots; 128 and 256 no faster)
     _SPAN_SLOTS = 64
 
     # No fast-math flags (as kernels/quant/simd.py): with reassociation or contraction
@@ -628,8 +629,8 @@ def paged_decode_numba(
     One task per sequence (all its KV heads) when the batch fills the threads, else per
     (sequence, KV head): scores of the query heads sharing a KV head over a few pages
     at a time (``_SPAN_SLOTS`` slots, or one longer page), one online-softmax rescale per
-    such group, quantized rows decoded in the rotated domain on the fly.  CPU tensors with fp32, fp16 or quantized pages (see
-    :func:`numba_supported`).
+    such group, quantized rows decoded in the rotated domain on the fly.  CPU tensors
+    with fp32, fp16 or quantized pages (see :func:`numba_supported`).
     """
     _check_call(q, kv, block_tables, seq_lens, q_lens, decode_path="paged_decode_numba")
     if not numba_supported(q, kv.fmt_k, kv.fmt_v):

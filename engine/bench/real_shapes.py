@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import statistics
 import sys
 import time
 from argparse import Namespace
@@ -401,11 +402,6 @@ def paired_ratios(folios: list[dict], llamas: list[dict]) -> dict:
     rounds = {key: [p[key] for p in per] for key in per[0]}
     median = {}
     for key, values in rounds.items():
-        known = sorted(v for v in values if v is not None)
-        mid = len(known) // 2
-        if known:
-            middle = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
-            median[key] = round(middle, 3)
-        else:
-            median[key] = None
+        known = [v for v in values if v is not None]
+        median[key] = round(statistics.median(known), 3) if known else None
     return {"median": median, "rounds": rounds}
