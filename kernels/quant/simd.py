@@ -58,8 +58,10 @@ __all__ = [
     "quantize32",
     "quantize256",
     "host_isa",
+    "key_scores",
     "residual256",
     "scaled_dot",
+    "shifted_exps",
     "sums16",
     "u8_pointer",
     "weighted_rows",
@@ -168,6 +170,19 @@ def _no_f16c(builder) -> None:
     function numba's JIT does not link (a call to address 0): a trap. Never reached: such
     a CPU's caches keep fp32 pages (`kernels.paged_attention.CPU_HALF_PAGES`)."""
     builder.call(_fn(builder, "llvm.trap", ir.VoidType(), []), [])
+
+
+def _half_or_float(builder, half, emit) -> None:
+    """``emit(True)`` where the runtime flag ``half`` is set (fp16 rows, widened: a trap
+    on a CPU without F16C, `_no_f16c`), else ``emit(False)`` (float32 rows)."""
+    with builder.if_else(half) as (then, otherwise):
+        with then:
+            if HAS_F16C:
+                emit(True)
+            else:
+                _no_f16c(builder)
+        with otherwise:
+            emit(False)
 
 
 def _half_conversion(widen: bool):
@@ -555,14 +570,7 @@ def weighted_rows(typingctx, acc, acc_step, w, w_step, v, v_step, n, width, rows
                     )
                     builder.store(builder.load(tails[r]), at, align=4)
 
-        with builder.if_else(half) as (then, otherwise):
-            with then:
-                if HAS_F16C:
-                    emit(True)
-                else:
-                    _no_f16c(builder)
-            with otherwise:
-                emit(False)
+        _half_or_float(builder, half, emit)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -627,6 +635,204 @@ def float_dots4(typingctx, a, a_step, b, n, out):
                 total, builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32))
             )
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _slot_sums(builder, vs):
+    """The lane sums of sixteen 16-lane float vectors as one vector, lane ``s`` vector
+    ``s``'s: each vector's lanes summed in :func:`_tree_sum`'s order (``i + 8``, then
+    ``+ 4``, ``+ 2``, ``+ 1``), two vectors' halves per shuffle pair, so 15 adds for all
+    sixteen where a sum alone takes four."""
+
+    def add(x, y, lo: list[int], hi: list[int]):
+        pick = _vec(I32, len(lo))
+        return builder.fadd(
+            builder.shuffle_vector(x, y, ir.Constant(pick, lo)),
+            builder.shuffle_vector(x, y, ir.Constant(pick, hi)),
+        )
+
+    def halves(width: int) -> tuple[list[int], list[int]]:
+        """Of each run of ``2 * width`` lanes of the pair (x's 16, then y's), the first
+        ``width`` and the second."""
+        runs = range(0, 32, 2 * width)
+        lo = [r + i for r in runs for i in range(width)]
+        return lo, [i + width for i in lo]
+
+    for width in (8, 4, 2, 1):
+        lo, hi = halves(width)
+        vs = [add(vs[i], vs[i + 1], lo, hi) for i in range(0, len(vs), 2)]
+    return vs[0]
+
+
+@intrinsic
+def key_scores(typingctx, q, q_step, k, k_step, n, width, out, out_step, scratch, rows, half):
+    """For ``r < rows``, ``s < n`` (at most 16): ``out[r][s] = sum_i q[r][i] * k[s][i]``
+    over ``width`` elements (a multiple of 16), with the bits of :func:`float_dots4` and
+    :func:`float_dot`: per slot 16 lanes of ``fma``, then each lane sum in their order.
+    Attention's scores of ``rows`` query heads (float32 rows at ``q + r * q_step``) over
+    up to 16 key rows (at ``k + s * k_step``, fp16 when ``half``, widened by
+    ``vcvtph2ps``, else float32); out rows at ``out + r * out_step``, lanes past ``n``
+    masked off. Each slot's lane vectors go to ``scratch`` (``rows * 1 KB``), then
+    sixteen slots' sums are taken together (:func:`_slot_sums`): a slot at a time, its
+    lane sums cost more than its multiply-adds. ``rows`` (1..4) is a compile-time
+    constant."""
+    n_rows = _literal(rows, (1, 2, 3, 4))
+    if n_rows is None:
+        return None
+    u, i = types.uintp, types.intp
+    sig = types.void(u, i, u, i, i, i, u, i, u, rows, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        q_a, q_step, k_a, k_step, n_v, width, o_a, o_step, s_a = args[:9]
+        half = args[10]
+        v16 = _vec(F32, 16)
+        zero = ir.Constant(v16, None)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(n_rows)]
+        chunks = builder.udiv(width, I64(16))
+
+        def slot_vectors(is_half: bool):
+            vb = 2 if is_half else 4
+            with cgutils.for_range(builder, n_v) as slot:
+                row = builder.add(k_a, builder.mul(slot.index, k_step))
+                for acc in accs:
+                    builder.store(zero, acc)
+                with cgutils.for_range(builder, chunks) as chunk:
+                    at = builder.add(row, builder.mul(chunk.index, I64(16 * vb)))
+                    if is_half:
+                        raw = builder.load(
+                            builder.inttoptr(at, ir.PointerType(_vec(I16, 16))), align=2
+                        )
+                        vk = builder.fpext(builder.bitcast(raw, _vec(ir.HalfType(), 16)), v16)
+                    else:
+                        vk = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
+                    off = builder.mul(chunk.index, I64(64))
+                    for r, acc in enumerate(accs):
+                        q_at = builder.add(builder.add(q_a, builder.mul(q_step, I64(r))), off)
+                        vq = builder.load(builder.inttoptr(q_at, ir.PointerType(v16)), align=4)
+                        builder.store(_fma(builder, vq, vk, builder.load(acc)), acc)
+                for r, acc in enumerate(accs):
+                    at = builder.add(
+                        s_a, builder.mul(builder.add(slot.index, I64(16 * r)), I64(64))
+                    )
+                    builder.store(
+                        builder.load(acc), builder.inttoptr(at, ir.PointerType(v16)), align=4
+                    )
+
+        _half_or_float(builder, half, slot_vectors)
+        lanes = ir.Constant(_vec(I32, 16), list(range(16)))
+        live = builder.icmp_unsigned("<", lanes, _splat(builder, builder.trunc(n_v, I32), 16))
+        store = _fn(
+            builder,
+            "llvm.masked.store.v16f32.p0",
+            ir.VoidType(),
+            [v16, ir.PointerType(v16), I32, _vec(ir.IntType(1), 16)],
+        )
+        for r in range(n_rows):
+            vs = [
+                builder.load(
+                    builder.inttoptr(builder.add(s_a, I64(64 * (16 * r + s))), ir.PointerType(v16)),
+                    align=4,
+                )
+                for s in range(16)
+            ]
+            # the scalar tail float_dots4 adds (none here): + 0.0, the same bits
+            sums = builder.fadd(_slot_sums(builder, vs), zero)
+            at = builder.inttoptr(
+                builder.add(o_a, builder.mul(o_step, I64(r))), ir.PointerType(v16)
+            )
+            builder.call(store, [sums, at, I32(4), live])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# kernels/quant/fastexp.py's exp_parts, its constants as float32
+_EXP_LOW, _EXP_HIGH = -87.0, 88.0
+_EXP_LOG2E, _EXP_LN2_HI, _EXP_LN2_LO = 1.4426950408889634, 0.693145751953125, 1.428606765330187e-06
+_EXP_TAYLOR = (0.0013888889, 0.008333334, 0.041666668, 0.16666667, 0.5, 1.0, 1.0)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32, as numba's ``np.float32(value)`` makes it."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _fast_exp(builder, v):
+    """`kernels.quant.fastexp.exp_parts` and its product on a float32 vector, the same
+    operations in the same order (no fused multiply-add), so the same bits."""
+    t = v.type
+    n = t.count
+
+    def c(x):
+        return _splat(builder, F32(_f32(x)), n)
+
+    lo, hi = c(_EXP_LOW), c(_EXP_HIGH)
+    v = builder.select(builder.fcmp_ordered(">", v, lo), v, lo)
+    v = builder.select(builder.fcmp_ordered("<", v, hi), v, hi)
+    k = builder.call(_fn(builder, f"llvm.rint.v{n}f32", t, [t]), [builder.fmul(v, c(_EXP_LOG2E))])
+    r = builder.fsub(
+        builder.fsub(v, builder.fmul(k, c(_EXP_LN2_HI))), builder.fmul(k, c(_EXP_LN2_LO))
+    )
+    p = builder.fadd(builder.fmul(c(_EXP_TAYLOR[0]), r), c(_EXP_TAYLOR[1]))
+    for coef in _EXP_TAYLOR[2:]:
+        p = builder.fadd(builder.fmul(p, r), c(coef))
+    ki = builder.fptosi(k, _vec(I32, n))
+    bits = builder.shl(builder.add(ki, _splat(builder, I32(127), n)), _splat(builder, I32(23), n))
+    return builder.fmul(p, builder.bitcast(bits, t))
+
+
+@intrinsic
+def shifted_exps(typingctx, a, n, shift):
+    """``a[i] = exp(a[i] - shift)`` for the ``n`` float32 at address ``a``, in place, by
+    :func:`_fast_exp` 16 lanes at a time (the last lanes masked); returns their sum in
+    four partial sums by ``i % 4``, the ``n % 4`` left into the first, then ``(s0 + s1)
+    + (s2 + s3)``: the bits of the decode kernel's ``exp_into`` and ``_sum4``, one pass
+    of vector code where those were a scalar loop each."""
+    sig = types.float32(types.uintp, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        a_a, n_v, shift = args
+        v16, v4 = _vec(F32, 16), _vec(F32, 4)
+        mask_t = _vec(ir.IntType(1), 16)
+        load = _fn(
+            builder, "llvm.masked.load.v16f32.p0", v16, [ir.PointerType(v16), I32, mask_t, v16]
+        )
+        store = _fn(
+            builder,
+            "llvm.masked.store.v16f32.p0",
+            ir.VoidType(),
+            [v16, ir.PointerType(v16), I32, mask_t],
+        )
+        lanes = ir.Constant(_vec(I32, 16), list(range(16)))
+        shifts = _splat(builder, shift, 16)
+        with cgutils.for_range(builder, builder.udiv(builder.add(n_v, I64(15)), I64(16))) as loop:
+            first = builder.mul(loop.index, I64(16))
+            left = builder.trunc(builder.sub(n_v, first), I32)
+            live = builder.icmp_unsigned("<", lanes, _splat(builder, left, 16))
+            at = builder.inttoptr(builder.add(a_a, builder.mul(first, I64(4))), ir.PointerType(v16))
+            v = builder.call(load, [at, I32(4), live, ir.Constant(v16, None)])
+            builder.call(store, [_fast_exp(builder, builder.fsub(v, shifts)), at, I32(4), live])
+        # the sum, in _sum4's order: quads in turn into four partial sums
+        part = cgutils.alloca_once_value(builder, ir.Constant(v4, None))
+        quads = builder.udiv(n_v, I64(4))
+        with cgutils.for_range(builder, quads) as loop:
+            at = builder.inttoptr(
+                builder.add(a_a, builder.mul(loop.index, I64(16))), ir.PointerType(v4)
+            )
+            builder.store(builder.fadd(builder.load(part), builder.load(at, align=4)), part)
+        s0 = cgutils.alloca_once_value(builder, builder.extract_element(builder.load(part), I32(0)))
+        with cgutils.for_range(builder, n_v, start=builder.mul(quads, I64(4))) as loop:
+            at = builder.inttoptr(
+                builder.add(a_a, builder.mul(loop.index, I64(4))), ir.PointerType(F32)
+            )
+            builder.store(builder.fadd(builder.load(s0), builder.load(at, align=4)), s0)
+        p = builder.load(part)
+        low = builder.fadd(builder.load(s0), builder.extract_element(p, I32(1)))
+        high = builder.fadd(builder.extract_element(p, I32(2)), builder.extract_element(p, I32(3)))
+        return builder.fadd(low, high)
 
     return sig, codegen
 

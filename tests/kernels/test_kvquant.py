@@ -369,3 +369,30 @@ def test_rejects_bad_formats():
         quantize(torch.zeros(1, 2, 48), 4)
     with pytest.raises(ValueError, match="asymmetric"):
         KVFormat(None, asymmetric=True)
+
+
+def test_large_host_pages_are_zeroed_writable_and_advised_huge():
+    """Unquantized host pages of HUGE_PAGES_FROM bytes or more come in anonymous memory
+    marked MADV_HUGEPAGE (the decode kernel's strided reads cross fewer page
+    translations): zeroed, writable, shaped like torch.zeros' would be, alive while the
+    tensor is; smaller ones stay torch.zeros."""
+    import gc
+
+    from kernels.kvquant import HUGE_PAGES_FROM, allocate_pages, huge_page_zeros
+    from tests.smaps import covering
+
+    fmt = KVFormat(dtype=torch.float16)
+    pages = HUGE_PAGES_FROM // (256 * 8 * 64 * 2)
+    data = allocate_pages(fmt, pages, 256, 8, 64)["data"]
+    gc.collect()
+    assert data.shape == (pages, 256, 8, 64) and data.dtype == torch.float16
+    assert data.is_contiguous() and not data.any()
+    data[-1, -1] = 1.5
+    assert float(data.float().sum()) == 1.5 * 8 * 64
+    held = covering(data.data_ptr(), data.numel() * 2)
+    if held is not None and hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert held and all("hg" in m.flags for m in held)
+    small = allocate_pages(fmt, 1, 16, 8, 64)["data"]
+    held = covering(small.data_ptr(), small.numel() * 2)
+    assert held is None or not any("hg" in m.flags for m in held)
+    assert huge_page_zeros((0, 4), torch.float32).shape == (0, 4)
