@@ -59,7 +59,7 @@ the same 16-lane multiply-adds, then sixteen slots' lane sums taken together in 
 order as before, so the same bits), and each group's exponentials and their sum are one
 vector pass (`simd.shifted_exps`, the bits of `exp_into` and the four partial sums).
 Llama-3.2-1B shape, 256-slot fp16 pages, 540 tokens, one sequence, 16 layers' pages in
-turn, 2 threads (AMD EPYC Zen 4): 116-128 -> 65-68 us a layer; in a real decode step (the
+turn, 2 threads (AMD EPYC Zen 4): 116-121 -> 68-76 us a layer; in a real decode step (the
 pages cold after the weights streamed by) 150 -> 110 us.
 
 Quantized pages are still slower than fp32 here: decoding the codes costs more compute than
@@ -505,7 +505,7 @@ if HAS_NUMBA:
                     if keys_in_runs:
                         # unquantized keys 16 slots a call, their lane sums together (one
                         # slot a call, the sums took most of the kernel's time: Llama-3.2-1B
-                        # shape, 540 tokens, 2 threads, 135-141 -> 96-102 us a layer)
+                        # shape, 540 tokens, 2 threads: medians 144 -> 100 us a layer)
                         for s0 in range(first, last, 16):
                             n = min(16, last - s0)
                             for hh in range(heads_per_task):
