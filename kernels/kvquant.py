@@ -294,7 +294,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     import mmap
 
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

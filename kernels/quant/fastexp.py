@@ -20,22 +20,26 @@ import numba
 import numpy as np
 
 from kernels.quant.blocks import INLINE
+from kernels.quant.simd import EXP_HIGH, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_LOW, EXP_TAYLOR
 
-LOW, HIGH = -87.0, 88.0  # exp(v) stays a normal float32 over this range
+LOW, HIGH = EXP_LOW, EXP_HIGH  # exp(v) stays a normal float32 over this range
+# (simd.py holds the constants: its vector form of this exp, `shifted_exps`, must give
+# these bits)
+_C6, _C5, _C4, _C3, _C2, _C1, _C0 = EXP_TAYLOR
 
 
 @numba.njit(**INLINE)
 def exp_parts(v):
     """``(p, bits)`` with ``exp(v) = p * (bits as float32)``, v clamped to [LOW, HIGH]."""
     v = min(max(v, np.float32(LOW)), np.float32(HIGH))
-    k = np.rint(v * np.float32(1.4426950408889634))
-    r = v - k * np.float32(0.693145751953125) - k * np.float32(1.428606765330187e-06)
-    p = np.float32(0.0013888889) * r + np.float32(0.008333334)
-    p = p * r + np.float32(0.041666668)
-    p = p * r + np.float32(0.16666667)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    k = np.rint(v * np.float32(EXP_LOG2E))
+    r = v - k * np.float32(EXP_LN2_HI) - k * np.float32(EXP_LN2_LO)
+    p = np.float32(_C6) * r + np.float32(_C5)
+    p = p * r + np.float32(_C4)
+    p = p * r + np.float32(_C3)
+    p = p * r + np.float32(_C2)
+    p = p * r + np.float32(_C1)
+    p = p * r + np.float32(_C0)
     return p, (np.int32(k) + np.int32(127)) << np.int32(23)
 
 

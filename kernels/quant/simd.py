@@ -639,6 +639,17 @@ def float_dots4(typingctx, a, a_step, b, n, out):
     return sig, codegen
 
 
+def _masked_store(builder):
+    """``llvm.masked.store`` of 16 float32: (value, address, alignment, lane mask)."""
+    v16 = _vec(F32, 16)
+    return _fn(
+        builder,
+        "llvm.masked.store.v16f32.p0",
+        ir.VoidType(),
+        [v16, ir.PointerType(v16), I32, _vec(ir.IntType(1), 16)],
+    )
+
+
 def _slot_sums(builder, vs):
     """The lane sums of sixteen 16-lane float vectors as one vector, lane ``s`` vector
     ``s``'s: each vector's lanes summed in :func:`_tree_sum`'s order (``i + 8``, then
@@ -722,12 +733,7 @@ def key_scores(typingctx, q, q_step, k, k_step, n, width, out, out_step, scratch
         _half_or_float(builder, half, slot_vectors)
         lanes = ir.Constant(_vec(I32, 16), list(range(16)))
         live = builder.icmp_unsigned("<", lanes, _splat(builder, builder.trunc(n_v, I32), 16))
-        store = _fn(
-            builder,
-            "llvm.masked.store.v16f32.p0",
-            ir.VoidType(),
-            [v16, ir.PointerType(v16), I32, _vec(ir.IntType(1), 16)],
-        )
+        store = _masked_store(builder)
         for r in range(n_rows):
             vs = [
                 builder.load(
@@ -747,10 +753,13 @@ def key_scores(typingctx, q, q_step, k, k_step, n, width, out, out_step, scratch
     return sig, codegen
 
 
-# kernels/quant/fastexp.py's exp_parts, its constants as float32
-_EXP_LOW, _EXP_HIGH = -87.0, 88.0
-_EXP_LOG2E, _EXP_LN2_HI, _EXP_LN2_LO = 1.4426950408889634, 0.693145751953125, 1.428606765330187e-06
-_EXP_TAYLOR = (0.0013888889, 0.008333334, 0.041666668, 0.16666667, 0.5, 1.0, 1.0)
+# The float32 exp's constants, for both of its forms: kernels/quant/fastexp.py's scalar
+# `exp_parts` (numba's loops, which import them from here) and `_fast_exp` below (vector
+# IR), which must give its bits. The clamp keeps exp(v) a normal float32; ln 2 in two
+# parts, so that v - k ln 2 is exact; Taylor's coefficients of exp(r), r^6 / 6! first.
+EXP_LOW, EXP_HIGH = -87.0, 88.0
+EXP_LOG2E, EXP_LN2_HI, EXP_LN2_LO = 1.4426950408889634, 0.693145751953125, 1.428606765330187e-06
+EXP_TAYLOR = (0.0013888889, 0.008333334, 0.041666668, 0.16666667, 0.5, 1.0, 1.0)
 
 
 def _f32(value: float) -> float:
@@ -769,15 +778,15 @@ def _fast_exp(builder, v):
     def c(x):
         return _splat(builder, F32(_f32(x)), n)
 
-    lo, hi = c(_EXP_LOW), c(_EXP_HIGH)
+    lo, hi = c(EXP_LOW), c(EXP_HIGH)
     v = builder.select(builder.fcmp_ordered(">", v, lo), v, lo)
     v = builder.select(builder.fcmp_ordered("<", v, hi), v, hi)
-    k = builder.call(_fn(builder, f"llvm.rint.v{n}f32", t, [t]), [builder.fmul(v, c(_EXP_LOG2E))])
+    k = builder.call(_fn(builder, f"llvm.rint.v{n}f32", t, [t]), [builder.fmul(v, c(EXP_LOG2E))])
     r = builder.fsub(
-        builder.fsub(v, builder.fmul(k, c(_EXP_LN2_HI))), builder.fmul(k, c(_EXP_LN2_LO))
+        builder.fsub(v, builder.fmul(k, c(EXP_LN2_HI))), builder.fmul(k, c(EXP_LN2_LO))
     )
-    p = builder.fadd(builder.fmul(c(_EXP_TAYLOR[0]), r), c(_EXP_TAYLOR[1]))
-    for coef in _EXP_TAYLOR[2:]:
+    p = builder.fadd(builder.fmul(c(EXP_TAYLOR[0]), r), c(EXP_TAYLOR[1]))
+    for coef in EXP_TAYLOR[2:]:
         p = builder.fadd(builder.fmul(p, r), c(coef))
     ki = builder.fptosi(k, _vec(I32, n))
     bits = builder.shl(builder.add(ki, _splat(builder, I32(127), n)), _splat(builder, I32(23), n))
@@ -800,12 +809,7 @@ def shifted_exps(typingctx, a, n, shift):
         load = _fn(
             builder, "llvm.masked.load.v16f32.p0", v16, [ir.PointerType(v16), I32, mask_t, v16]
         )
-        store = _fn(
-            builder,
-            "llvm.masked.store.v16f32.p0",
-            ir.VoidType(),
-            [v16, ir.PointerType(v16), I32, mask_t],
-        )
+        store = _masked_store(builder)
         lanes = ir.Constant(_vec(I32, 16), list(range(16)))
         shifts = _splat(builder, shift, 16)
         with cgutils.for_range(builder, builder.udiv(builder.add(n_v, I64(15)), I64(16))) as loop:
