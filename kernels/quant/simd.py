@@ -684,10 +684,12 @@ def key_scores(typingctx, q, q_step, k, k_step, n, width, out, out_step, scratch
     Attention's scores of ``rows`` query heads (float32 rows at ``q + r * q_step``) over
     up to 16 key rows (at ``k + s * k_step``, fp16 when ``half``, widened by
     ``vcvtph2ps``, else float32); out rows at ``out + r * out_step``, lanes past ``n``
-    masked off. Each slot's lane vectors go to ``scratch`` (``rows * 1 KB``), then
-    sixteen slots' sums are taken together (:func:`_slot_sums`): a slot at a time, its
-    lane sums cost more than its multiply-adds. ``rows`` (1..4) is a compile-time
-    constant."""
+    masked off. Two slots at a time, each slot's and row's ``fma`` chain in its own order
+    (twice as many chains in flight: 1.06-1.27x the one-slot loop, 7 query heads, fp16
+    keys, head dim 128, one thread). Each slot's lane vectors go to ``scratch`` (``rows *
+    1 KB``), then sixteen slots' sums are taken together (:func:`_slot_sums`): a slot at
+    a time, its lane sums cost more than its multiply-adds. ``rows`` (1..4) is a
+    compile-time constant."""
     n_rows = _literal(rows, (1, 2, 3, 4))
     if n_rows is None:
         return None
@@ -699,36 +701,59 @@ def key_scores(typingctx, q, q_step, k, k_step, n, width, out, out_step, scratch
         half = args[10]
         v16 = _vec(F32, 16)
         zero = ir.Constant(v16, None)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(n_rows)]
+        # [slot of the pair][row]: two slots' rows at a time, so that twice as many
+        # multiply-add chains are in flight (each chain, a slot's row, in its own order)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_rows)] for _ in range(2)]
         chunks = builder.udiv(width, I64(16))
 
         def slot_vectors(is_half: bool):
             vb = 2 if is_half else 4
-            with cgutils.for_range(builder, n_v) as slot:
-                row = builder.add(k_a, builder.mul(slot.index, k_step))
-                for acc in accs:
-                    builder.store(zero, acc)
+
+            def slots(first, count: int):
+                """The lane vectors of slots ``first .. first + count`` into ``scratch``."""
+                rows = [
+                    builder.add(k_a, builder.mul(builder.add(first, I64(j)), k_step))
+                    for j in range(count)
+                ]
+                for j in range(count):
+                    for acc in accs[j]:
+                        builder.store(zero, acc)
                 with cgutils.for_range(builder, chunks) as chunk:
-                    at = builder.add(row, builder.mul(chunk.index, I64(16 * vb)))
-                    if is_half:
-                        raw = builder.load(
-                            builder.inttoptr(at, ir.PointerType(_vec(I16, 16))), align=2
-                        )
-                        vk = builder.fpext(builder.bitcast(raw, _vec(ir.HalfType(), 16)), v16)
-                    else:
-                        vk = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
                     off = builder.mul(chunk.index, I64(64))
-                    for r, acc in enumerate(accs):
+                    vqs = []
+                    for r in range(n_rows):
                         q_at = builder.add(builder.add(q_a, builder.mul(q_step, I64(r))), off)
-                        vq = builder.load(builder.inttoptr(q_at, ir.PointerType(v16)), align=4)
-                        builder.store(_fma(builder, vq, vk, builder.load(acc)), acc)
-                for r, acc in enumerate(accs):
-                    at = builder.add(
-                        s_a, builder.mul(builder.add(slot.index, I64(16 * r)), I64(64))
-                    )
-                    builder.store(
-                        builder.load(acc), builder.inttoptr(at, ir.PointerType(v16)), align=4
-                    )
+                        vqs.append(
+                            builder.load(builder.inttoptr(q_at, ir.PointerType(v16)), align=4)
+                        )
+                    for j in range(count):
+                        at = builder.add(rows[j], builder.mul(chunk.index, I64(16 * vb)))
+                        if is_half:
+                            raw = builder.load(
+                                builder.inttoptr(at, ir.PointerType(_vec(I16, 16))), align=2
+                            )
+                            vk = builder.fpext(builder.bitcast(raw, _vec(ir.HalfType(), 16)), v16)
+                        else:
+                            vk = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
+                        for vq, acc in zip(vqs, accs[j]):
+                            builder.store(_fma(builder, vq, vk, builder.load(acc)), acc)
+                for j in range(count):
+                    for r, acc in enumerate(accs[j]):
+                        at = builder.add(
+                            s_a,
+                            builder.mul(
+                                builder.add(builder.add(first, I64(j)), I64(16 * r)), I64(64)
+                            ),
+                        )
+                        builder.store(
+                            builder.load(acc), builder.inttoptr(at, ir.PointerType(v16)), align=4
+                        )
+
+            with cgutils.for_range(builder, builder.udiv(n_v, I64(2))) as pair:
+                slots(builder.mul(pair.index, I64(2)), 2)
+            odd = builder.icmp_unsigned("!=", builder.urem(n_v, I64(2)), I64(0))
+            with builder.if_then(odd):
+                slots(builder.sub(n_v, I64(1)), 1)
 
         _half_or_float(builder, half, slot_vectors)
         lanes = ir.Constant(_vec(I32, 16), list(range(16)))

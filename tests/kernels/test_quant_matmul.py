@@ -244,12 +244,36 @@ def test_registry_agrees_with_gguf():
 
 
 def test_kernels_cache_under_the_isa_and_package_stamp():
-    from kernels.quant._cache import _InTree, _UserWide
+    from kernels.quant._cache import _InTree, _UserProvided, _UserWide
 
     kind = quant_type(Q.Q4_K)
     impl = kind.decode._cache._impl
-    assert isinstance(impl.locator, _InTree | _UserWide)
+    assert isinstance(impl.locator, _InTree | _UserWide | _UserProvided)
     assert impl.locator.get_cache_path().endswith(f"numba-{HOST_ISA}")
+
+
+def test_attention_and_rope_kernels_are_stamped_with_the_intrinsics_they_inline(tmp_path):
+    """The decode attention and rope kernels (kernels/, outside this package) inline
+    kernels.quant.simd's intrinsics: their cached code must go stale when simd.py
+    changes, which numba's own stamp (their file's) misses."""
+    from kernels import paged_attention, rope
+    from kernels.quant import _cache
+
+    for kernel in (paged_attention._decode_kernel, rope._rope_and_store):
+        locator = kernel._cache._impl.locator
+        assert isinstance(locator, _cache._InTree | _cache._UserWide | _cache._UserProvided)
+        assert locator.get_source_stamp() == _cache._STAMP
+    # the stamp reads both folders: a change in either moves it
+    quant, above = tmp_path / "quant", tmp_path
+    quant.mkdir()
+    (quant / "simd.py").write_text("A = 1\n")
+    (above / "paged_attention.py").write_text("B = 1\n")
+    before = _cache._package_stamp((quant, above))
+    (quant / "simd.py").write_text("A = 2\n")
+    after_simd = _cache._package_stamp((quant, above))
+    (above / "paged_attention.py").write_text("B = 2\n")
+    after_attention = _cache._package_stamp((quant, above))
+    assert len({before, after_simd, after_attention}) == 3
 
 
 _ISA_SCRIPT = """
