@@ -32,6 +32,7 @@ from kernels.bf16 import packed_bf16_available, packed_bf16_supported
 from kernels.dequant import SUPPORTED_TYPES, block_geometry, dequantize
 from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
+from kernels.quant.float_rows import float_rows_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear
 from kernels.quant.tiles import Q6_K_INTEGER, TILES_FORMAT, repack_parts, tiles_supported
 from kernels.quant.weight import QuantWeight
@@ -388,7 +389,7 @@ def _load_gguf(
         config=config,
         model=model,
         weight_mode=weight_mode,
-        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode)}"),
+        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode, gf)}"),
         load_seconds=0.0,
         quant_types=counts,
         tile_cache=tile_cache,
@@ -410,16 +411,21 @@ def _has_tiles(gf: GGUFFile) -> bool:
     return any(tiles_supported(info.type_name) for info in gf.tensors.values())
 
 
-def _kernels(weight_mode: str) -> str:
+def _kernels(weight_mode: str, gf: GGUFFile) -> str:
     """What else decides the K/V bits of native weights: k-quants as tiles on this CPU
     (kernels/quant/tiles.py) compute other last bits than the file-block kernels, and
     Q6_K tiles others again where AMX serves them (their scales in integers), so pages
     cached on disk before (or on a CPU without them) are not reused with them; with
     tiles, a prompt's norms and gates are the decode step's (``BlockLinear.fuses``:
-    ``pn``), since 2026-12-06."""
-    if weight_mode != "native" or not tiles_supported("Q4_K"):
+    ``pn``), since 2026-12-06; F16 / BF16 weights at decode sizes by their own kernel
+    (kernels/quant/float_rows.py: ``fr``, not torch's GEMM), since 2026-12-07."""
+    if weight_mode != "native":
         return ""
-    return f":{TILES_FORMAT}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "")
+    floats = any(float_rows_supported(i.qtype) for i in gf.tensors.values())
+    rows = ":fr" if floats else ""
+    if not tiles_supported("Q4_K"):
+        return rows
+    return f":{TILES_FORMAT}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "") + rows
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

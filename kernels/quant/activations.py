@@ -523,6 +523,39 @@ def prepared_activations(
 
     At decode sizes each torch op costs microseconds of dispatch on vectors of a few
     hundred floats; here the op and both quantizations take about one."""
+    x, w, residual, b, k = _prepare_args(x, op, weight, residual)
+    src = np.empty((b, k), np.float32)
+    if per32:
+        act = _two_level_buffers(b, k)
+        prepare = _by_rows(b, _prepared_two_level, _prepared_two_level_parallel)
+        prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32, act.pair32)
+    else:
+        act = _super_block_buffers(b, k, 2)
+        prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
+        prepare(x, op, w, eps, residual, src, act.q, act.d, act.bsum16, act.bsum32, _pair16(act))
+    act.source = src
+    return act
+
+
+def prepared_rows(
+    x: np.ndarray,
+    op: int,
+    weight: np.ndarray | None = None,
+    eps: float = 0.0,
+    residual: np.ndarray | None = None,
+) -> np.ndarray:
+    """The float32 rows :func:`prepared_activations` computes from ``x`` (``residual``
+    added to ``x`` in place first, as there), not quantized: for a projection whose
+    parts are all float (F32 / F16 / BF16), which multiplies them as they are."""
+    x, w, residual, b, k = _prepare_args(x, op, weight, residual)
+    out = np.empty((b, k), np.float32)
+    _prepared_floats(x, op, w, eps, residual, out)
+    return out
+
+
+def _prepare_args(x, op, weight, residual):
+    """:func:`prepared_activations`' arguments checked and made contiguous: ``(x, weight,
+    residual, B, K)``, the missing weight and residual as empty arrays."""
     if residual is None:
         x = np.ascontiguousarray(x, dtype=np.float32)
         residual = _NO_RESIDUAL
@@ -536,17 +569,7 @@ def prepared_activations(
     if op == RMS_NORM and (weight is None or weight.shape != (k,)):
         raise ValueError(f"RMS_NORM needs a weight of shape ({k},)")
     w = _NO_WEIGHT if weight is None else np.ascontiguousarray(weight, dtype=np.float32)
-    src = np.empty((b, k), np.float32)
-    if per32:
-        act = _two_level_buffers(b, k)
-        prepare = _by_rows(b, _prepared_two_level, _prepared_two_level_parallel)
-        prepare(x, op, w, eps, residual, src, act.q, act.scale, act.sum16, act.sum32, act.pair32)
-    else:
-        act = _super_block_buffers(b, k, 2)
-        prepare = _by_rows(b, _prepared_super_blocks, _prepared_super_blocks_parallel)
-        prepare(x, op, w, eps, residual, src, act.q, act.d, act.bsum16, act.bsum32, _pair16(act))
-    act.source = src
-    return act
+    return x, w, residual, b, k
 
 
 _NO_WEIGHT = np.empty(0, np.float32)
@@ -594,6 +617,12 @@ def _prepare_row(x, b, op, w, eps, residual, out):
         exp_into(out[b], out[b], np.empty(k, np.int32), k)
         for i in range(k):
             out[b, i] = x[b, i] / (np.float32(1.0) + out[b, i]) * x[b, k + i]
+
+
+@numba.njit(**JIT)
+def _prepared_floats(x, op, w, eps, residual, out):
+    for b in range(out.shape[0]):
+        _prepare_row(x, b, op, w, eps, residual, out)
 
 
 # Each row prepared, then quantized: the rows are independent, so one after the other

@@ -42,9 +42,11 @@ from kernels.quant.activations import (
     Q8Activations,
     Q8KActivations,
     prepared_activations,
+    prepared_rows,
     quantize_super_blocks,
     two_level_activations,
 )
+from kernels.quant.float_rows import float_rows_supported, row_table, rows_of_table
 from kernels.quant.lanes import lanes_supported
 from kernels.quant.matmul import (
     DECODE_MAX_ROWS,
@@ -154,6 +156,7 @@ class BlockLinear(PartsLinear):
         "in_features",
         "out_features",
         "_per32",
+        "_quantized",
         "_groups",
         "_take",
         "_bias",
@@ -195,6 +198,9 @@ class BlockLinear(PartsLinear):
         self._per32 = any(
             not p.is_float and p.kind.activation is ActivationFormat.Q8_32 for p in parts
         )
+        # whether any part reads int8 activations at all (all float: the rows as they are,
+        # of any width: super-block activations need K a multiple of 256)
+        self._quantized = not all(p.is_float for p in parts)
         self._groups = _decode_groups(self.parts, repack, orders)
         self._lanes = any(_in_lanes(g) for g in self._groups)
         # every part in tiles: one kernel at every row count (see `fuses`)
@@ -323,6 +329,8 @@ class BlockLinear(PartsLinear):
         call takes (a prompt's, in tiles) :data:`LANE_PROMPT_ROWS` a call, as
         :meth:`_matmul` quantizes them, so that their activations stay in L2."""
         rows = x.shape[0]
+        if not self._quantized:
+            return self._finish(self._decode(prepared_rows(x, op, weight, eps, residual)))
         if rows <= DECODE_MAX_ROWS:
             act = prepared_activations(x, op, self._per32, weight, eps, residual)
             return self._finish(self._decode(act.source, act))
@@ -403,8 +411,8 @@ class BlockLinear(PartsLinear):
             if _super_blocks(group) or group.tiles is not None:
                 continue
             cols = out[:, group.first : group.first + group.columns]
-            if group.table is None:  # a float part
-                cols[:] = _float_part(x, group.parts[0]).numpy()
+            if group.table is None:  # float parts
+                _each_float_part(x, group.parts, cols)
                 continue
             first = 0  # each part into its columns (a copy of gate and up would double them)
             for p in group.parts:
@@ -425,7 +433,7 @@ class BlockLinear(PartsLinear):
         output (``out``, else a new array; the levels summed in the kernel)."""
         rows = x.shape[0]
         out = np.empty((rows, self.out_features), np.float32) if out is None else out
-        if act is None:
+        if act is None and self._quantized:
             act = (
                 two_level_activations(x)
                 if self._per32 and groups is None
@@ -434,8 +442,8 @@ class BlockLinear(PartsLinear):
         act_k = None  # super-block activations for tiles, where ``act`` is per 32
         for group in self._groups if groups is None else groups:
             cols = out[:, group.first : group.first + group.columns]
-            if group.table is None:  # a float part
-                cols[:] = _float_part(torch.from_numpy(x), group.parts[0]).numpy()
+            if group.table is None:  # float parts
+                _float_rows_into(x, group, cols)
                 continue
             if _per32_tiles(group):
                 if not isinstance(act, Q8Activations):  # made in super-blocks for others
@@ -461,8 +469,8 @@ class BlockLinear(PartsLinear):
 class _Group:
     """Output columns ``first .. first + columns`` of a :class:`BlockLinear`: consecutive
     parts of one block type, multiplied in one call through their row table (``table``:
-    int64 ``[P, 2]``, each part's first-row address and row count), or a single float
-    part (``table`` None)."""
+    int64 ``[P, 2]``, each part's first-row address and row count), or float parts
+    (``table`` None)."""
 
     parts: tuple[QuantWeight, ...]
     first: int
@@ -472,6 +480,8 @@ class _Group:
     # Q4_K / Q6_K on AVX-512 VNNI: the parts repacked into tiles of 16 rows
     # (kernels/quant/tiles.py), which every row count then multiplies
     tiles: np.ndarray | None = None
+    # F16 / BF16 parts where kernels/quant/float_rows.py takes them: its row table
+    floats: np.ndarray | None = None
 
 
 def _in_lanes(group: _Group) -> bool:
@@ -502,11 +512,11 @@ def _super_blocks(group: _Group) -> bool:
 
 
 def _runs(parts: list[QuantWeight]) -> list[list[QuantWeight]]:
-    """The parts as :func:`_decode_groups` groups them: consecutive block parts of one
-    type together, each float part alone."""
+    """The parts as :func:`_decode_groups` groups them: consecutive parts of one type
+    together (float parts too: :func:`_float_rows_into` takes them in one call)."""
     runs: list[list[QuantWeight]] = []
     for p in parts:
-        if not p.is_float and runs and not runs[-1][0].is_float and runs[-1][0].qtype == p.qtype:
+        if runs and runs[-1][0].qtype == p.qtype:
             runs[-1].append(p)
         else:
             runs.append([p])
@@ -558,7 +568,10 @@ def _decode_groups(
     for run in _runs(parts):
         columns = sum(p.out_features for p in run)
         if run[0].is_float:
-            groups.append(_Group((run[0],), first, columns))
+            floats = None
+            if float_rows_supported(run[0].qtype):
+                floats = row_table([p.data for p in run], run[0].qtype)
+            groups.append(_Group(tuple(run), first, columns, floats=floats))
             first += columns
             continue
         table = np.array([[p.data.ctypes.data, p.out_features] for p in run], np.int64)
@@ -569,6 +582,24 @@ def _decode_groups(
         groups.append(_Group(tuple(run), first, columns, run[0].data.shape[1], table, tiles))
         first += columns
     return groups
+
+
+def _float_rows_into(x: np.ndarray, group: _Group, cols: np.ndarray) -> None:
+    """``cols = x @ W.T`` for a group of float parts at decode sizes: F16 / BF16 read as
+    the file has them, in one call (:mod:`kernels.quant.float_rows`), F32 (and F16
+    without F16C) by torch, part by part."""
+    if group.floats is not None:
+        rows_of_table(group.floats, group.parts[0].qtype, x, cols, decode_tasks())
+        return
+    _each_float_part(torch.from_numpy(x), group.parts, cols)
+
+
+def _each_float_part(x: torch.Tensor, parts: tuple[QuantWeight, ...], cols: np.ndarray) -> None:
+    """Each float part's product (:func:`_float_part`) into its columns of ``cols``."""
+    first = 0
+    for p in parts:
+        cols[:, first : first + p.out_features] = _float_part(x, p).numpy()
+        first += p.out_features
 
 
 def _float_part(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -45,6 +45,8 @@ __all__ = [
     "HOST_ISA",
     "ISA_CODES",
     "ISAS",
+    "bf16_dots4",
+    "bf16_to_floats",
     "bitfield",
     "bitplane",
     "expand_codes",
@@ -53,6 +55,7 @@ __all__ = [
     "float_dots4",
     "float_max",
     "floats_to_halves",
+    "half_dots4",
     "halves_to_floats",
     "prefetch",
     "quantize32",
@@ -211,6 +214,23 @@ def halves_to_floats(typingctx, src, dst, n):
     a time): a row of fp16 K/V pages for the decode kernel. Exact. Needs F16C
     (:data:`HAS_F16C`; without it LLVM would call a runtime function numba lacks)."""
     return types.void(types.uintp, types.uintp, types.intp), _half_conversion(widen=True)
+
+
+@intrinsic
+def bf16_to_floats(typingctx, src, dst, n):
+    """The ``n`` bfloat16 at address ``src`` (their bit patterns) as float32 at ``dst``, 16
+    at a time: each pattern the top half of its float32. Exact, on every CPU."""
+
+    def codegen(context, builder, signature, args):
+        def convert(v, t):
+            wide = _vec(I32, 16) if isinstance(t, ir.VectorType) else I32
+            shift = ir.Constant(wide, [16] * 16) if isinstance(t, ir.VectorType) else I32(16)
+            return builder.bitcast(builder.shl(builder.zext(v, wide), shift), t)
+
+        _convert_rows(builder, *args, I16, F32, convert)
+        return context.get_dummy_value()
+
+    return types.void(types.uintp, types.uintp, types.intp), codegen
 
 
 @intrinsic
@@ -598,26 +618,42 @@ def _four_sums(builder, vs):
     return add(d, d, [0, 2, 4, 6], [1, 3, 5, 7])
 
 
-@intrinsic
-def float_dots4(typingctx, a, a_step, b, n, out):
-    """``out[j] = sum_i a[j * a_step + i] * b[i]`` for ``j < 4`` over ``n`` float32 (``a``,
-    ``b``, ``out`` addresses, ``a_step`` in bytes), in a fixed order: 16 lanes each, the
-    four vectors' lanes summed together (:func:`_four_sums`), then a scalar tail. Four
-    query heads' scores against one key row: a lone dot's lane sum costs more than its
-    multiply-adds at a head's 64 or 128 elements."""
-    sig = types.void(types.uintp, types.intp, types.uintp, types.intp, types.uintp)
+def _dots4_codegen(a_bits: int):
+    """:func:`float_dots4`'s code, its ``a`` rows float32 (``a_bits`` 0), IEEE halves
+    (16) or bfloat16 (-16), each widened to float32 as it is loaded (exact)."""
+    src = F32 if a_bits == 0 else I16
+    size = 4 if a_bits == 0 else 2
+
+    def widen(builder, v):
+        if a_bits == 0:
+            return v
+        vector = isinstance(v.type, ir.VectorType)
+        if a_bits == 16:
+            half = _vec(ir.HalfType(), 16) if vector else ir.HalfType()
+            return builder.fpext(builder.bitcast(v, half), _vec(F32, 16) if vector else F32)
+        wide = _vec(I32, 16) if vector else I32
+        shift = ir.Constant(wide, [16] * 16) if vector else I32(16)
+        return builder.bitcast(
+            builder.shl(builder.zext(v, wide), shift), _vec(F32, 16) if vector else F32
+        )
 
     def codegen(context, builder, signature, args):
         a_a, step, b_a, n_v, o_a = args
         v16 = _vec(F32, 16)
+        vs = _vec(src, 16)
         accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(4)]
         chunks = builder.udiv(n_v, I64(16))
         with cgutils.for_range(builder, chunks) as loop:
             off = builder.mul(loop.index, I64(64))
+            a_off = builder.mul(loop.index, I64(16 * size))
             vb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(v16)), align=4)
             for j, acc in enumerate(accs):
-                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), off)
-                va = builder.load(builder.inttoptr(at, ir.PointerType(v16)), align=4)
+                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), a_off)
+                if a_bits:  # weight rows streamed from memory: asked for ahead
+                    stream_ahead(builder, at, 1)
+                va = widen(
+                    builder, builder.load(builder.inttoptr(at, ir.PointerType(vs)), align=size)
+                )
                 builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
         sums = _four_sums(builder, [builder.load(acc) for acc in accs])
         tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(4)]
@@ -625,9 +661,12 @@ def float_dots4(typingctx, a, a_step, b, n, out):
         with cgutils.for_range(builder, n_v, start=builder.mul(chunks, I64(16))) as loop:
             off = builder.mul(loop.index, I64(4))
             sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
+            a_off = builder.mul(loop.index, I64(size))
             for j, tail in enumerate(tails):
-                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), off)
-                sa = builder.load(builder.inttoptr(at, ir.PointerType(F32)), align=4)
+                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), a_off)
+                sa = widen(
+                    builder, builder.load(builder.inttoptr(at, ir.PointerType(src)), align=size)
+                )
                 builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
         for j, tail in enumerate(tails):
             total = builder.fadd(builder.extract_element(sums, I32(j)), builder.load(tail))
@@ -636,7 +675,42 @@ def float_dots4(typingctx, a, a_step, b, n, out):
             )
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+_DOTS4_SIG = types.void(types.uintp, types.intp, types.uintp, types.intp, types.uintp)
+
+
+@intrinsic
+def float_dots4(typingctx, a, a_step, b, n, out):
+    """``out[j] = sum_i a[j * a_step + i] * b[i]`` for ``j < 4`` over ``n`` float32 (``a``,
+    ``b``, ``out`` addresses, ``a_step`` in bytes), in a fixed order: 16 lanes each, the
+    four vectors' lanes summed together (:func:`_four_sums`), then a scalar tail. Four
+    query heads' scores against one key row: a lone dot's lane sum costs more than its
+    multiply-adds at a head's 64 or 128 elements."""
+    return _DOTS4_SIG, _dots4_codegen(0)
+
+
+@intrinsic
+def half_dots4(typingctx, a, a_step, b, n, out):
+    """:func:`float_dots4` with ``a`` IEEE halves (F16 weights), each widened as it is
+    loaded (``vcvtph2ps``): the same float32 steps, so the same bits as widening the
+    rows first. Needs F16C, as :func:`halves_to_floats` (without it: a trap, never
+    reached: `kernels.quant.float_rows.float_rows_supported`)."""
+    if HAS_F16C:
+        return _DOTS4_SIG, _dots4_codegen(16)
+
+    def trap(context, builder, signature, args):
+        _no_f16c(builder)
+        return context.get_dummy_value()
+
+    return _DOTS4_SIG, trap
+
+
+@intrinsic
+def bf16_dots4(typingctx, a, a_step, b, n, out):
+    """:func:`float_dots4` with ``a`` bfloat16 (BF16 weights), widened as loaded."""
+    return _DOTS4_SIG, _dots4_codegen(-16)
 
 
 def _masked_store(builder):

@@ -232,6 +232,33 @@ def test_native_mode_reads_the_files_blocks(family, mix, tmp_path):
     assert agree >= 0.9, f"argmax agrees at {agree:.0%} of positions"
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_native_mode_reads_half_precision_files_of_any_width(qtype, tmp_path):
+    """An F16 / BF16 file (rows 320 wide, not a multiple of 256: no int8 activations are
+    made for float weights) in the default mode: its matrices as the file has them, the
+    logits of transformers on those weights, a prompt and then token by token (the
+    decode kernel, kernels/quant/float_rows.py), and a K/V fingerprint of its own."""
+    from engine.model.gguf_file import GGUFFile
+    from engine.model.loader import _kernels
+    from kernels.quant.float_rows import float_rows_supported
+
+    model = make_hf_model("llama", seed=5, hidden_size=320, intermediate_size=448)
+    model.load_state_dict(write_gguf(model, tmp_path / "m.gguf", {}, default=qtype, seed=2))
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    assert loaded.weight_mode == "native"
+    tensor_bytes = sum(t.nbytes for t in GGUFFile(tmp_path / "m.gguf").tensors.values())
+    assert loaded.weight_bytes <= 1.05 * tensor_bytes
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(4)
+    )
+    ref = _reference_logits(model, ids)
+    _assert_close(_folio_logits(loaded, ids, chunks=(8, 1, 1, 1, 1)), ref, 1e-4)
+    marks = _kernels("native", GGUFFile(tmp_path / "m.gguf"))
+    assert marks.endswith(":fr") == float_rows_supported(qtype)
+    write_gguf(model, tmp_path / "q.gguf", {}, default=Q.Q8_0, seed=2)
+    assert ":fr" not in _kernels("native", GGUFFile(tmp_path / "q.gguf"))
+
+
 def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
     """Loading in the default mode allocates (almost) nothing for the weights besides the
     tiles k-quants are repacked into where the CPU takes them (kernels/quant/tiles.py,

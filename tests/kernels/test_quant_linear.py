@@ -289,6 +289,45 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     assert lin(x[:7].reshape(7, 1, K)).shape == (7, 1, n)
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
+def test_float_parts_of_any_width_take_the_fused_norm_and_gate(qtype):
+    """A projection whose parts are all float (a F16 / BF16 / F32 file's) reads no int8
+    activations: its rows may be any width (576: SmolLM2's, not a multiple of the 256
+    that super-block activations need), and the fused norm, gate and plain rows give
+    the product of torch's norm and gate with the exact weights."""
+    import torch.nn.functional as F
+
+    from kernels.quant.registry import FLOAT_TYPES
+
+    k, n = 576, 40
+    dense = torch.randn(n, k) * 0.05
+    if qtype == Q.BF16:
+        dense = dense.bfloat16().float()
+        raw = dense.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    else:
+        dense = dense.to(torch.from_numpy(np.empty(0, FLOAT_TYPES[qtype])).dtype).float()
+        raw = dense.numpy().astype(FLOAT_TYPES[qtype])
+    lin = BlockLinear([QuantWeight.from_raw(raw, qtype, (n, k))])
+    x = torch.randn(3, k) * 2
+    norm_w = 1 + 0.1 * torch.randn(k)
+    gate_up = torch.randn(3, 2 * k)
+    exact = x.double() @ dense.double().T
+    assert lin.fuses(x)
+    assert torch.allclose(torch.from_numpy(lin.rows(x.numpy())), exact.float(), atol=1e-4)
+    normed = F.rms_norm(x, (k,), norm_w, 1e-6)
+    got = lin.normed(x.clone(), norm_w, 1e-6)
+    assert torch.allclose(got, (normed.double() @ dense.double().T).float(), atol=1e-4)
+    g, u = gate_up.split(k, dim=-1)
+    got = lin.gated(gate_up, gelu=False)
+    assert torch.allclose(got, ((F.silu(g) * u).double() @ dense.double().T).float(), atol=1e-4)
+    # with a residual, added in place first as for the quantized parts
+    stream, residual = x.clone(), torch.randn(3, k)
+    got = lin.normed(stream, norm_w, 1e-6, residual)
+    assert torch.equal(stream, x + residual)
+    summed = F.rms_norm(x + residual, (k,), norm_w, 1e-6)
+    assert torch.allclose(got, (summed.double() @ dense.double().T).float(), atol=1e-4)
+
+
 def test_parts_must_agree():
     a, _ = _weight(Q.Q8_0, 32, 0)
     b = QuantWeight.from_raw(

@@ -1,0 +1,155 @@
+"""F16 and BF16 weights multiplied as the file stores them, at decode sizes.
+
+torch multiplies float32 activations by float32 weights only, so a half-precision part
+went through float32 tiles dequantized at every call (`linear._float_part`): the whole
+matrix widened and written again before the product, about a quarter of the machine's
+read bandwidth (SmolLM2 in F16, 270 MB a token). Here four weight rows at a time are
+widened into a buffer that stays in L1 or L2 (``vcvtph2ps``; bf16 by a shift), and each
+token's row dotted with the four (:func:`~kernels.quant.simd.float_dots4`), 1,024
+elements at a time: every weight byte read once a step, whatever the number of tokens.
+
+Each token's dot with a row is the same sequence of float32 multiply-adds whatever the
+other tokens (16 lanes in order, the lanes summed in a fixed order, the tail), so a
+row's result does not depend on the batch; it is not torch's GEMM's order, so a prompt
+(float32 tiles and torch) may differ from decoding in the last bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from kernels.quant.blocks import INLINE, JIT
+from kernels.quant.simd import (
+    HAS_F16C,
+    bf16_dots4,
+    bf16_to_floats,
+    float_dots4,
+    half_dots4,
+    halves_to_floats,
+)
+
+__all__ = ["float_rows", "float_rows_supported", "row_table", "rows_of_table"]
+
+ROWS = 4  # weight rows widened together: one float_dots4 per token
+# elements of the four rows widened at a time (16 KB of float32: they stay in L1 while
+# every token reads them); a longer row's dots summed chunk by chunk, in order
+CHUNK = 1024
+# up to this many tokens a call, the rows widened in registers by each token instead
+DIRECT_TOKENS = 1
+
+
+def float_rows_supported(qtype: GGMLQuantizationType) -> bool:
+    """Whether :func:`float_rows` takes this type on this CPU (F16 needs F16C)."""
+    return qtype == GGMLQuantizationType.BF16 or (qtype == GGMLQuantizationType.F16 and HAS_F16C)
+
+
+@numba.njit(**INLINE)
+def _rows(table, k, half, x, out, tasks):
+    """The parts of ``table`` (:func:`row_table`) into ``out``'s columns in turn."""
+    tokens = x.shape[0]
+    n_parts = table.shape[0]
+    groups = table[n_parts - 1, 3] + (table[n_parts - 1, 1] + ROWS - 1) // ROWS
+    tasks = max(1, min(groups, tasks))
+    per = (groups + tasks - 1) // tasks
+    xs = x.strides[0]
+    x_at = x.ctypes.data
+    for task in numba.prange(tasks):
+        buf = np.empty(ROWS * CHUNK, np.float32)
+        dots = np.empty(ROWS, np.float32)
+        sums = np.empty((tokens, ROWS), np.float32)
+        buf_at, dots_at = buf.ctypes.data, dots.ctypes.data
+        part, column = 0, 0
+        for g in range(task * per, min((task + 1) * per, groups)):
+            while part + 1 < n_parts and g >= table[part + 1, 3]:
+                column += table[part, 1]
+                part += 1
+            w_at, n, ws = table[part, 0], table[part, 1], table[part, 2]
+            r0 = (g - table[part, 3]) * ROWS
+            sums[:] = 0.0
+            # few tokens, four whole rows: each token widens the rows as it reads them;
+            # else once into the buffer, which every token reads (the same float steps)
+            direct = tokens <= DIRECT_TOKENS and r0 + ROWS <= n
+            for c0 in range(0, k, CHUNK):
+                kc = min(CHUNK, k - c0)
+                if direct:
+                    rows_at, step = w_at + r0 * ws + 2 * c0, ws
+                else:
+                    for j in range(ROWS):
+                        # past the last row: the last row again (its results not stored),
+                        # so every row takes the same four-row sums
+                        src = w_at + min(r0 + j, n - 1) * ws + 2 * c0
+                        if half:
+                            halves_to_floats(src, buf_at + 4 * kc * j, kc)
+                        else:
+                            bf16_to_floats(src, buf_at + 4 * kc * j, kc)
+                    rows_at, step = buf_at, 4 * kc
+                for t in range(tokens):
+                    x_t = x_at + t * xs + 4 * c0
+                    if not direct:
+                        float_dots4(rows_at, step, x_t, kc, dots_at)
+                    elif half:
+                        half_dots4(rows_at, step, x_t, kc, dots_at)
+                    else:
+                        bf16_dots4(rows_at, step, x_t, kc, dots_at)
+                    for j in range(ROWS):
+                        sums[t, j] += dots[j]
+            valid = min(ROWS, n - r0)
+            for t in range(tokens):
+                for j in range(valid):
+                    out[t, column + r0 + j] = sums[t, j]
+
+
+@numba.njit(**JIT, parallel=True)
+def _float_rows(table, k, half, x, out, tasks):
+    _rows(table, k, half, x, out, tasks)
+
+
+def float_rows(
+    weights: Sequence[np.ndarray],
+    qtype: GGMLQuantizationType,
+    x: np.ndarray,
+    out: np.ndarray,
+    tasks: int,
+) -> np.ndarray:
+    """``out [B, N] = x [B, K] @ W.T`` for ``W`` the ``[N_p, K]`` F16 or BF16 values (or
+    their 16-bit patterns) of ``weights`` one after the other (a fused q/k/v: one call),
+    float32 products and sums; ``out`` may be a view into a wider output; the parts'
+    groups of four rows split in ``tasks`` ranges over numba's threads. A part's rows
+    come out as they do from a call of that part alone."""
+    return rows_of_table(row_table(weights, qtype), qtype, x, out, tasks)
+
+
+def row_table(weights: Sequence[np.ndarray], qtype: GGMLQuantizationType) -> np.ndarray:
+    """What :func:`rows_of_table` reads of ``weights`` (made once per projection): int64
+    ``[P, 5]``, each part's first-row address, rows, row stride in bytes, first group of
+    four rows and row width. The arrays must outlive it."""
+    if not float_rows_supported(qtype):
+        raise ValueError(f"no float-rows kernel for {qtype.name} on this CPU")
+    k = weights[0].shape[1]
+    if any(w.ndim != 2 or w.shape[1] != k for w in weights):
+        raise ValueError(f"weights of shapes {[w.shape for w in weights]}: one width needed")
+    if any(w.itemsize != 2 or w.strides[1] != 2 for w in weights):
+        raise ValueError("weights must be 16-bit values, each row contiguous")
+    table = np.empty((len(weights), 5), np.int64)
+    groups = 0
+    for i, w in enumerate(weights):
+        table[i] = (w.ctypes.data, w.shape[0], w.strides[0], groups, k)
+        groups += (w.shape[0] + ROWS - 1) // ROWS
+    return table
+
+
+def rows_of_table(
+    table: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray, out: np.ndarray, tasks: int
+) -> np.ndarray:
+    """:func:`float_rows` of the weights of a :func:`row_table`."""
+    n, k = int(table[:, 1].sum()), int(table[0, 4])
+    if x.ndim != 2 or x.shape[1] != k or out.shape != (x.shape[0], n):
+        raise ValueError(f"x {x.shape} and out {out.shape} for weights of {n} x {k}")
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    _float_rows(table, x.shape[1], qtype == GGMLQuantizationType.F16, x, out, tasks)
+    return out
