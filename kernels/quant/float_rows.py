@@ -2,11 +2,13 @@
 
 torch multiplies float32 activations by float32 weights only, so a half-precision part
 went through float32 tiles dequantized at every call (`linear._float_part`): the whole
-matrix widened and written again before the product, about a quarter of the machine's
-read bandwidth (SmolLM2 in F16, 270 MB a token). Here four weight rows at a time are
-widened into a buffer that stays in L1 or L2 (``vcvtph2ps``; bf16 by a shift), and each
-token's row dotted with the four (:func:`~kernels.quant.simd.float_dots4`), 1,024
-elements at a time: every weight byte read once a step, whatever the number of tokens.
+matrix widened and written again before the product, 20-25 tok/s on SmolLM2 in F16 (270
+MB a token) where this kernel gives 3.1-3.5x that. Here four weight rows at a time are
+read as the file has them, widened to float32 in registers as they are loaded
+(``vcvtph2ps``; bf16 by a shift, :func:`~kernels.quant.simd.weight_dots`) and dotted
+with up to four tokens' rows at once (16 accumulators), 1,024 elements a call, the
+weight bytes asked for 8 KB ahead: every weight byte read from memory once a step,
+whatever the number of tokens.
 
 Each token's dot with a row is the same sequence of float32 multiply-adds whatever the
 other tokens (16 lanes in order, the lanes summed in a fixed order, the tail), so a
@@ -23,28 +25,42 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from kernels.quant.blocks import INLINE, JIT
-from kernels.quant.simd import (
-    HAS_F16C,
-    bf16_dots4,
-    bf16_to_floats,
-    float_dots4,
-    half_dots4,
-    halves_to_floats,
-)
+from kernels.quant.simd import HAS_F16C, WEIGHT_DOT_TOKENS, weight_dots
 
 __all__ = ["float_rows", "float_rows_supported", "row_table", "rows_of_table"]
 
-ROWS = 4  # weight rows widened together: one float_dots4 per token
-# elements of the four rows widened at a time (16 KB of float32: they stay in L1 while
-# every token reads them); a longer row's dots summed chunk by chunk, in order
+ROWS = 4  # weight rows a call: four accumulators per token
+# elements a call (a longer row's dots summed chunk by chunk, in order): the four rows'
+# 8 KB of halves stay in L1 while the next tokens read them
 CHUNK = 1024
-# up to this many tokens a call, the rows widened in registers by each token instead
-DIRECT_TOKENS = 1
 
 
 def float_rows_supported(qtype: GGMLQuantizationType) -> bool:
     """Whether :func:`float_rows` takes this type on this CPU (F16 needs F16C)."""
     return qtype == GGMLQuantizationType.BF16 or (qtype == GGMLQuantizationType.F16 and HAS_F16C)
+
+
+@numba.njit(**INLINE)
+def _dots(half, a0, a1, a2, a3, b, b_step, n, out, nt):
+    """:func:`~kernels.quant.simd.weight_dots` for ``nt`` tokens, the literals picked at
+    run time."""
+    if half:
+        if nt == 4:
+            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 4)
+        elif nt == 3:
+            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 3)
+        elif nt == 2:
+            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 2)
+        else:
+            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 1)
+    elif nt == 4:
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 4)
+    elif nt == 3:
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 3)
+    elif nt == 2:
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 2)
+    else:
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 1)
 
 
 @numba.njit(**INLINE)
@@ -57,11 +73,11 @@ def _rows(table, k, half, x, out, tasks):
     per = (groups + tasks - 1) // tasks
     xs = x.strides[0]
     x_at = x.ctypes.data
+    most = min(WEIGHT_DOT_TOKENS, 4)
     for task in numba.prange(tasks):
-        buf = np.empty(ROWS * CHUNK, np.float32)
-        dots = np.empty(ROWS, np.float32)
+        dots = np.empty(4 * ROWS, np.float32)
         sums = np.empty((tokens, ROWS), np.float32)
-        buf_at, dots_at = buf.ctypes.data, dots.ctypes.data
+        dots_at = dots.ctypes.data
         part, column = 0, 0
         for g in range(task * per, min((task + 1) * per, groups)):
             while part + 1 < n_parts and g >= table[part + 1, 3]:
@@ -69,34 +85,35 @@ def _rows(table, k, half, x, out, tasks):
                 part += 1
             w_at, n, ws = table[part, 0], table[part, 1], table[part, 2]
             r0 = (g - table[part, 3]) * ROWS
+            # past the last row: the last row again (its results not stored), so every
+            # row takes the same four-row sums
+            a0 = w_at + r0 * ws
+            a1 = w_at + min(r0 + 1, n - 1) * ws
+            a2 = w_at + min(r0 + 2, n - 1) * ws
+            a3 = w_at + min(r0 + 3, n - 1) * ws
             sums[:] = 0.0
-            # few tokens, four whole rows: each token widens the rows as it reads them;
-            # else once into the buffer, which every token reads (the same float steps)
-            direct = tokens <= DIRECT_TOKENS and r0 + ROWS <= n
             for c0 in range(0, k, CHUNK):
                 kc = min(CHUNK, k - c0)
-                if direct:
-                    rows_at, step = w_at + r0 * ws + 2 * c0, ws
-                else:
-                    for j in range(ROWS):
-                        # past the last row: the last row again (its results not stored),
-                        # so every row takes the same four-row sums
-                        src = w_at + min(r0 + j, n - 1) * ws + 2 * c0
-                        if half:
-                            halves_to_floats(src, buf_at + 4 * kc * j, kc)
-                        else:
-                            bf16_to_floats(src, buf_at + 4 * kc * j, kc)
-                    rows_at, step = buf_at, 4 * kc
-                for t in range(tokens):
-                    x_t = x_at + t * xs + 4 * c0
-                    if not direct:
-                        float_dots4(rows_at, step, x_t, kc, dots_at)
-                    elif half:
-                        half_dots4(rows_at, step, x_t, kc, dots_at)
-                    else:
-                        bf16_dots4(rows_at, step, x_t, kc, dots_at)
-                    for j in range(ROWS):
-                        sums[t, j] += dots[j]
+                t = 0
+                while t < tokens:
+                    nt = min(most, tokens - t)
+                    c = 2 * c0
+                    _dots(
+                        half,
+                        a0 + c,
+                        a1 + c,
+                        a2 + c,
+                        a3 + c,
+                        x_at + t * xs + 4 * c0,
+                        xs,
+                        kc,
+                        dots_at,
+                        nt,
+                    )
+                    for u in range(nt):
+                        for j in range(ROWS):
+                            sums[t + u, j] += dots[ROWS * u + j]
+                    t += nt
             valid = min(ROWS, n - r0)
             for t in range(tokens):
                 for j in range(valid):

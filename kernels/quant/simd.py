@@ -45,8 +45,7 @@ __all__ = [
     "HOST_ISA",
     "ISA_CODES",
     "ISAS",
-    "bf16_dots4",
-    "bf16_to_floats",
+    "WEIGHT_DOT_TOKENS",
     "bitfield",
     "bitplane",
     "expand_codes",
@@ -55,7 +54,6 @@ __all__ = [
     "float_dots4",
     "float_max",
     "floats_to_halves",
-    "half_dots4",
     "halves_to_floats",
     "prefetch",
     "quantize32",
@@ -67,6 +65,7 @@ __all__ = [
     "shifted_exps",
     "sums16",
     "u8_pointer",
+    "weight_dots",
     "weighted_rows",
 ]
 
@@ -214,23 +213,6 @@ def halves_to_floats(typingctx, src, dst, n):
     a time): a row of fp16 K/V pages for the decode kernel. Exact. Needs F16C
     (:data:`HAS_F16C`; without it LLVM would call a runtime function numba lacks)."""
     return types.void(types.uintp, types.uintp, types.intp), _half_conversion(widen=True)
-
-
-@intrinsic
-def bf16_to_floats(typingctx, src, dst, n):
-    """The ``n`` bfloat16 at address ``src`` (their bit patterns) as float32 at ``dst``, 16
-    at a time: each pattern the top half of its float32. Exact, on every CPU."""
-
-    def codegen(context, builder, signature, args):
-        def convert(v, t):
-            wide = _vec(I32, 16) if isinstance(t, ir.VectorType) else I32
-            shift = ir.Constant(wide, [16] * 16) if isinstance(t, ir.VectorType) else I32(16)
-            return builder.bitcast(builder.shl(builder.zext(v, wide), shift), t)
-
-        _convert_rows(builder, *args, I16, F32, convert)
-        return context.get_dummy_value()
-
-    return types.void(types.uintp, types.uintp, types.intp), codegen
 
 
 @intrinsic
@@ -618,67 +600,90 @@ def _four_sums(builder, vs):
     return add(d, d, [0, 2, 4, 6], [1, 3, 5, 7])
 
 
-def _dots4_codegen(a_bits: int):
-    """:func:`float_dots4`'s code, its ``a`` rows float32 (``a_bits`` 0), IEEE halves
-    (16) or bfloat16 (-16), each widened to float32 as it is loaded (exact)."""
+def _widen(builder, v, a_bits: int):
+    """float32 lanes (or a scalar) of ``v``: as they are (``a_bits`` 0), IEEE halves (16)
+    or bfloat16 (-16) widened (exact)."""
+    if a_bits == 0:
+        return v
+    vector = isinstance(v.type, ir.VectorType)
+    f32 = _vec(F32, v.type.count) if vector else F32
+    if a_bits == 16:
+        return builder.fpext(
+            builder.bitcast(v, _vec(ir.HalfType(), v.type.count) if vector else ir.HalfType()), f32
+        )
+    wide = _vec(I32, v.type.count) if vector else I32
+    shift = ir.Constant(wide, [16] * v.type.count) if vector else I32(16)
+    return builder.bitcast(builder.shl(builder.zext(v, wide), shift), f32)
+
+
+def _dots_codegen(a_bits: int, nt: int, operands):
+    """Four ``a`` rows dotted with ``nt`` ``b`` rows: ``out[t][j] = sum_i a_j[i] *
+    b_t[i]`` over ``n`` elements, in a fixed order per ``(t, j)`` whatever ``nt``: 16
+    lanes, each row's and token's ``fma`` chain in element order, the four rows' lanes
+    summed together per token (:func:`_four_sums`), then a scalar tail. ``a_bits``: the
+    ``a`` rows float32 (0), IEEE halves (16) or bfloat16 (-16), each widened as loaded
+    (and, weights streamed from memory, asked for :data:`STREAM_AHEAD` bytes ahead).
+    ``operands(builder, args)``: the four rows' addresses, ``b``, ``b``'s row step in
+    bytes, ``n``, ``out`` and ``out``'s row step in bytes."""
     src = F32 if a_bits == 0 else I16
     size = 4 if a_bits == 0 else 2
 
-    def widen(builder, v):
-        if a_bits == 0:
-            return v
-        vector = isinstance(v.type, ir.VectorType)
-        if a_bits == 16:
-            half = _vec(ir.HalfType(), 16) if vector else ir.HalfType()
-            return builder.fpext(builder.bitcast(v, half), _vec(F32, 16) if vector else F32)
-        wide = _vec(I32, 16) if vector else I32
-        shift = ir.Constant(wide, [16] * 16) if vector else I32(16)
-        return builder.bitcast(
-            builder.shl(builder.zext(v, wide), shift), _vec(F32, 16) if vector else F32
-        )
-
     def codegen(context, builder, signature, args):
-        a_a, step, b_a, n_v, o_a = args
+        rows, b_a, b_step, n_v, o_a, o_step = operands(builder, args)
         v16 = _vec(F32, 16)
-        vs = _vec(src, 16)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(4)]
+        b_rows = [builder.add(b_a, builder.mul(b_step, I64(t))) for t in range(nt)]
+        accs = [
+            [cgutils.alloca_once_value(builder, ir.Constant(v16, None)) for _ in range(4)]
+            for _ in range(nt)
+        ]
+        fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
+
+        def step(index, lanes: int, slots):
+            """Element(s) ``index * lanes ..`` of every row into each (token, row) slot."""
+            a_t, b_t = (_vec(src, lanes), v16) if lanes > 1 else (src, F32)
+            vals = []
+            for row in rows:
+                at = builder.add(row, builder.mul(index, I64(lanes * size)))
+                if a_bits and lanes > 1:  # weight rows streamed from memory: asked for ahead
+                    stream_ahead(builder, at, 1)
+                v = builder.load(builder.inttoptr(at, ir.PointerType(a_t)), align=size)
+                vals.append(_widen(builder, v, a_bits))
+            for t in range(nt):
+                at = builder.add(b_rows[t], builder.mul(index, I64(4 * lanes)))
+                vb = builder.load(builder.inttoptr(at, ir.PointerType(b_t)), align=4)
+                for va, slot in zip(vals, slots[t]):
+                    prev = builder.load(slot)
+                    total = (
+                        _fma(builder, va, vb, prev)
+                        if lanes > 1
+                        else builder.call(fma1, [va, vb, prev])
+                    )
+                    builder.store(total, slot)
+
         chunks = builder.udiv(n_v, I64(16))
         with cgutils.for_range(builder, chunks) as loop:
-            off = builder.mul(loop.index, I64(64))
-            a_off = builder.mul(loop.index, I64(16 * size))
-            vb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(v16)), align=4)
-            for j, acc in enumerate(accs):
-                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), a_off)
-                if a_bits:  # weight rows streamed from memory: asked for ahead
-                    stream_ahead(builder, at, 1)
-                va = widen(
-                    builder, builder.load(builder.inttoptr(at, ir.PointerType(vs)), align=size)
-                )
-                builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
-        sums = _four_sums(builder, [builder.load(acc) for acc in accs])
-        tails = [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(4)]
-        fma1 = _fn(builder, "llvm.fma.f32", F32, [F32, F32, F32])
+            step(loop.index, 16, accs)
+        sums = [_four_sums(builder, [builder.load(acc) for acc in accs[t]]) for t in range(nt)]
+        tails = [
+            [cgutils.alloca_once_value(builder, F32(0.0)) for _ in range(4)] for _ in range(nt)
+        ]
         with cgutils.for_range(builder, n_v, start=builder.mul(chunks, I64(16))) as loop:
-            off = builder.mul(loop.index, I64(4))
-            sb = builder.load(builder.inttoptr(builder.add(b_a, off), ir.PointerType(F32)), align=4)
-            a_off = builder.mul(loop.index, I64(size))
-            for j, tail in enumerate(tails):
-                at = builder.add(builder.add(a_a, builder.mul(step, I64(j))), a_off)
-                sa = widen(
-                    builder, builder.load(builder.inttoptr(at, ir.PointerType(src)), align=size)
-                )
-                builder.store(builder.call(fma1, [sa, sb, builder.load(tail)]), tail)
-        for j, tail in enumerate(tails):
-            total = builder.fadd(builder.extract_element(sums, I32(j)), builder.load(tail))
-            builder.store(
-                total, builder.inttoptr(builder.add(o_a, I64(4 * j)), ir.PointerType(F32))
-            )
+            step(loop.index, 1, tails)
+        for t in range(nt):
+            out_t = builder.add(o_a, builder.mul(o_step, I64(t)))
+            for j, tail in enumerate(tails[t]):
+                total = builder.fadd(builder.extract_element(sums[t], I32(j)), builder.load(tail))
+                at = builder.inttoptr(builder.add(out_t, I64(4 * j)), ir.PointerType(F32))
+                builder.store(total, at)
         return context.get_dummy_value()
 
     return codegen
 
 
-_DOTS4_SIG = types.void(types.uintp, types.intp, types.uintp, types.intp, types.uintp)
+def _strided_rows(builder, args):
+    a_a, step, b_a, n_v, o_a = args
+    rows = [builder.add(a_a, builder.mul(step, I64(j))) for j in range(4)]
+    return rows, b_a, I64(0), n_v, o_a, I64(0)
 
 
 @intrinsic
@@ -688,29 +693,41 @@ def float_dots4(typingctx, a, a_step, b, n, out):
     four vectors' lanes summed together (:func:`_four_sums`), then a scalar tail. Four
     query heads' scores against one key row: a lone dot's lane sum costs more than its
     multiply-adds at a head's 64 or 128 elements."""
-    return _DOTS4_SIG, _dots4_codegen(0)
+    sig = types.void(types.uintp, types.intp, types.uintp, types.intp, types.uintp)
+    return sig, _dots_codegen(0, 1, _strided_rows)
+
+
+#: the most tokens one :func:`weight_dots` call takes: 16 accumulators in registers
+#: with AVX-512's 32, 8 (two registers each) with AVX2's 16
+WEIGHT_DOT_TOKENS = 4 if HOST_ISA == "avx512vnni" else 2
 
 
 @intrinsic
-def half_dots4(typingctx, a, a_step, b, n, out):
-    """:func:`float_dots4` with ``a`` IEEE halves (F16 weights), each widened as it is
-    loaded (``vcvtph2ps``): the same float32 steps, so the same bits as widening the
-    rows first. Needs F16C, as :func:`halves_to_floats` (without it: a trap, never
-    reached: `kernels.quant.float_rows.float_rows_supported`)."""
-    if HAS_F16C:
-        return _DOTS4_SIG, _dots4_codegen(16)
+def weight_dots(typingctx, a0, a1, a2, a3, b, b_step, n, out, bits, ntok):
+    """``out[4 t + j] = sum_i a_j[i] * b[t * b_step + i]`` for four weight rows at the
+    addresses ``a0 .. a3`` of IEEE halves (``bits`` 16: ``vcvtph2ps``) or bfloat16
+    (``bits`` -16) and ``ntok`` float32 token rows (1 to :data:`WEIGHT_DOT_TOKENS`),
+    over ``n`` elements: each row widened once for all the tokens, each ``(t, j)`` the
+    float32 steps :func:`float_dots4` takes for one token, whatever ``ntok``. F16 needs
+    F16C (without it: a trap, never reached: `kernels.quant.float_rows`)."""
+    kind = _literal(bits, (16, -16))
+    nt = _literal(ntok, tuple(range(1, WEIGHT_DOT_TOKENS + 1)))
+    if kind is None or nt is None:
+        return None
+    u, i = types.uintp, types.intp
+    sig = types.void(u, u, u, u, u, i, i, u, bits, ntok)
 
-    def trap(context, builder, signature, args):
-        _no_f16c(builder)
-        return context.get_dummy_value()
+    def operands(builder, args):
+        return list(args[:4]), args[4], args[5], args[6], args[7], I64(16)
 
-    return _DOTS4_SIG, trap
+    if kind == 16 and not HAS_F16C:
 
+        def trap(context, builder, signature, args):
+            _no_f16c(builder)
+            return context.get_dummy_value()
 
-@intrinsic
-def bf16_dots4(typingctx, a, a_step, b, n, out):
-    """:func:`float_dots4` with ``a`` bfloat16 (BF16 weights), widened as loaded."""
-    return _DOTS4_SIG, _dots4_codegen(-16)
+        return sig, trap
+    return sig, _dots_codegen(kind, nt, operands)
 
 
 def _masked_store(builder):
