@@ -389,7 +389,9 @@ def _load_gguf(
         config=config,
         model=model,
         weight_mode=weight_mode,
-        fingerprint=_fingerprint(path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode, gf)}"),
+        fingerprint=_fingerprint(
+            path, config, f"{weight_mode}:{dtype}{_kernels(weight_mode, _has_float_rows(gf))}"
+        ),
         load_seconds=0.0,
         quant_types=counts,
         tile_cache=tile_cache,
@@ -411,18 +413,24 @@ def _has_tiles(gf: GGUFFile) -> bool:
     return any(tiles_supported(info.type_name) for info in gf.tensors.values())
 
 
-def _kernels(weight_mode: str, gf: GGUFFile) -> str:
+def _has_float_rows(gf: GGUFFile) -> bool:
+    """Whether any of the file's weights is F16 / BF16 that kernels/quant/float_rows.py
+    multiplies on this CPU."""
+    return any(float_rows_supported(info.qtype) for info in gf.tensors.values())
+
+
+def _kernels(weight_mode: str, float_rows: bool = False) -> str:
     """What else decides the K/V bits of native weights: k-quants as tiles on this CPU
     (kernels/quant/tiles.py) compute other last bits than the file-block kernels, and
     Q6_K tiles others again where AMX serves them (their scales in integers), so pages
     cached on disk before (or on a CPU without them) are not reused with them; with
     tiles, a prompt's norms and gates are the decode step's (``BlockLinear.fuses``:
-    ``pn``), since 2026-12-06; F16 / BF16 weights at decode sizes by their own kernel
-    (kernels/quant/float_rows.py: ``fr``, not torch's GEMM), since 2026-12-07."""
+    ``pn``), since 2026-12-06; ``float_rows``: F16 / BF16 weights at decode sizes by
+    their own kernel (kernels/quant/float_rows.py: ``fr``, not torch's GEMM), since
+    2026-12-07."""
     if weight_mode != "native":
         return ""
-    floats = any(float_rows_supported(i.qtype) for i in gf.tensors.values())
-    rows = ":fr" if floats else ""
+    rows = ":fr" if float_rows else ""
     if not tiles_supported("Q4_K"):
         return rows
     return f":{TILES_FORMAT}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "") + rows

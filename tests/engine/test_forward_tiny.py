@@ -239,7 +239,7 @@ def test_native_mode_reads_half_precision_files_of_any_width(qtype, tmp_path):
     logits of transformers on those weights, a prompt and then token by token (the
     decode kernel, kernels/quant/float_rows.py), and a K/V fingerprint of its own."""
     from engine.model.gguf_file import GGUFFile
-    from engine.model.loader import _kernels
+    from engine.model.loader import _has_float_rows, _kernels
     from kernels.quant.float_rows import float_rows_supported
 
     model = make_hf_model("llama", seed=5, hidden_size=320, intermediate_size=448)
@@ -253,10 +253,11 @@ def test_native_mode_reads_half_precision_files_of_any_width(qtype, tmp_path):
     )
     ref = _reference_logits(model, ids)
     _assert_close(_folio_logits(loaded, ids, chunks=(8, 1, 1, 1, 1)), ref, 1e-4)
-    marks = _kernels("native", GGUFFile(tmp_path / "m.gguf"))
-    assert marks.endswith(":fr") == float_rows_supported(qtype)
+    assert _has_float_rows(GGUFFile(tmp_path / "m.gguf")) == float_rows_supported(qtype)
     write_gguf(model, tmp_path / "q.gguf", {}, default=Q.Q8_0, seed=2)
-    assert ":fr" not in _kernels("native", GGUFFile(tmp_path / "q.gguf"))
+    assert not _has_float_rows(GGUFFile(tmp_path / "q.gguf"))
+    assert _kernels("native", True).endswith(":fr") and ":fr" not in _kernels("native")
+    assert _kernels("dequant", True) == ""
 
 
 def test_native_mode_maps_the_file_instead_of_copying_it(tmp_path):
