@@ -41,47 +41,37 @@ def float_rows_supported(qtype: GGMLQuantizationType) -> bool:
 
 
 @numba.njit(**INLINE)
-def _dots(half, a0, a1, a2, a3, b, b_step, n, out, nt):
-    """:func:`~kernels.quant.simd.weight_dots` for ``nt`` tokens, the literals picked at
-    run time."""
-    if half:
-        if nt == 4:
-            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 4)
-        elif nt == 3:
-            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 3)
-        elif nt == 2:
-            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 2)
-        else:
-            weight_dots(a0, a1, a2, a3, b, b_step, n, out, 16, 1)
-    elif nt == 4:
-        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 4)
+def _dots(bits, a0, a1, a2, a3, b, b_step, n, out, nt):
+    """:func:`~kernels.quant.simd.weight_dots` for ``nt`` tokens, the literal picked at run
+    time (``bits`` a constant of each entry point)."""
+    if nt == 4:
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, bits, 4)
     elif nt == 3:
-        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 3)
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, bits, 3)
     elif nt == 2:
-        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 2)
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, bits, 2)
     else:
-        weight_dots(a0, a1, a2, a3, b, b_step, n, out, -16, 1)
+        weight_dots(a0, a1, a2, a3, b, b_step, n, out, bits, 1)
 
 
 @numba.njit(**INLINE)
-def _rows(table, k, half, x, out, tasks):
-    """The parts of ``table`` (:func:`row_table`) into ``out``'s columns in turn."""
+def _rows(bits, table, x, out, tasks):
+    """The parts of ``table`` (:func:`row_table`) into their columns of ``out``."""
     tokens = x.shape[0]
+    k = x.shape[1]
     n_parts = table.shape[0]
     groups = table[n_parts - 1, 3] + (table[n_parts - 1, 1] + ROWS - 1) // ROWS
     tasks = max(1, min(groups, tasks))
     per = (groups + tasks - 1) // tasks
     xs = x.strides[0]
     x_at = x.ctypes.data
-    most = min(WEIGHT_DOT_TOKENS, 4)
     for task in numba.prange(tasks):
         dots = np.empty(4 * ROWS, np.float32)
         sums = np.empty((tokens, ROWS), np.float32)
         dots_at = dots.ctypes.data
-        part, column = 0, 0
+        part = 0
         for g in range(task * per, min((task + 1) * per, groups)):
             while part + 1 < n_parts and g >= table[part + 1, 3]:
-                column += table[part, 1]
                 part += 1
             w_at, n, ws = table[part, 0], table[part, 1], table[part, 2]
             r0 = (g - table[part, 3]) * ROWS
@@ -94,35 +84,31 @@ def _rows(table, k, half, x, out, tasks):
             sums[:] = 0.0
             for c0 in range(0, k, CHUNK):
                 kc = min(CHUNK, k - c0)
+                c = 2 * c0
                 t = 0
                 while t < tokens:
-                    nt = min(most, tokens - t)
-                    c = 2 * c0
-                    _dots(
-                        half,
-                        a0 + c,
-                        a1 + c,
-                        a2 + c,
-                        a3 + c,
-                        x_at + t * xs + 4 * c0,
-                        xs,
-                        kc,
-                        dots_at,
-                        nt,
-                    )
+                    nt = min(WEIGHT_DOT_TOKENS, tokens - t)
+                    b = x_at + t * xs + 4 * c0
+                    _dots(bits, a0 + c, a1 + c, a2 + c, a3 + c, b, xs, kc, dots_at, nt)
                     for u in range(nt):
                         for j in range(ROWS):
                             sums[t + u, j] += dots[ROWS * u + j]
                     t += nt
-            valid = min(ROWS, n - r0)
+            first = table[part, 5] + r0
             for t in range(tokens):
-                for j in range(valid):
-                    out[t, column + r0 + j] = sums[t, j]
+                for j in range(min(ROWS, n - r0)):
+                    out[t, first + j] = sums[t, j]
+
+
+# one compiled function per type (the type a constant of each: numba specialises on it)
+@numba.njit(**JIT, parallel=True)
+def _f16_rows(table, x, out, tasks):
+    _rows(16, table, x, out, tasks)
 
 
 @numba.njit(**JIT, parallel=True)
-def _float_rows(table, k, half, x, out, tasks):
-    _rows(table, k, half, x, out, tasks)
+def _bf16_rows(table, x, out, tasks):
+    _rows(-16, table, x, out, tasks)
 
 
 def float_rows(
@@ -142,8 +128,8 @@ def float_rows(
 
 def row_table(weights: Sequence[np.ndarray], qtype: GGMLQuantizationType) -> np.ndarray:
     """What :func:`rows_of_table` reads of ``weights`` (made once per projection): int64
-    ``[P, 5]``, each part's first-row address, rows, row stride in bytes, first group of
-    four rows and row width. The arrays must outlive it."""
+    ``[P, 6]``, each part's first-row address, rows, row stride in bytes, first group of
+    four rows, row width and first output column. The arrays must outlive it."""
     if not float_rows_supported(qtype):
         raise ValueError(f"no float-rows kernel for {qtype.name} on this CPU")
     k = weights[0].shape[1]
@@ -151,11 +137,12 @@ def row_table(weights: Sequence[np.ndarray], qtype: GGMLQuantizationType) -> np.
         raise ValueError(f"weights of shapes {[w.shape for w in weights]}: one width needed")
     if any(w.itemsize != 2 or w.strides[1] != 2 for w in weights):
         raise ValueError("weights must be 16-bit values, each row contiguous")
-    table = np.empty((len(weights), 5), np.int64)
-    groups = 0
+    table = np.empty((len(weights), 6), np.int64)
+    groups = column = 0
     for i, w in enumerate(weights):
-        table[i] = (w.ctypes.data, w.shape[0], w.strides[0], groups, k)
+        table[i] = (w.ctypes.data, w.shape[0], w.strides[0], groups, k, column)
         groups += (w.shape[0] + ROWS - 1) // ROWS
+        column += w.shape[0]
     return table
 
 
@@ -163,10 +150,11 @@ def rows_of_table(
     table: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray, out: np.ndarray, tasks: int
 ) -> np.ndarray:
     """:func:`float_rows` of the weights of a :func:`row_table`."""
-    n, k = int(table[:, 1].sum()), int(table[0, 4])
+    n, k = int(table[-1, 5] + table[-1, 1]), int(table[0, 4])
     if x.ndim != 2 or x.shape[1] != k or out.shape != (x.shape[0], n):
         raise ValueError(f"x {x.shape} and out {out.shape} for weights of {n} x {k}")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
-    _float_rows(table, x.shape[1], qtype == GGMLQuantizationType.F16, x, out, tasks)
+    rows = _f16_rows if qtype == GGMLQuantizationType.F16 else _bf16_rows
+    rows(table, x, out, tasks)
     return out

@@ -193,9 +193,9 @@ def _half_conversion(widen: bool):
 
     def codegen(context, builder, signature, args):
         def convert(v, t):
-            half = _vec(ir.HalfType(), 16) if isinstance(t, ir.VectorType) else ir.HalfType()
             if widen:
-                return builder.fpext(builder.bitcast(v, half), t)
+                return _widen(builder, v, 16)
+            half = _vec(ir.HalfType(), 16) if isinstance(t, ir.VectorType) else ir.HalfType()
             return builder.bitcast(builder.fptrunc(v, half), t)
 
         if HAS_F16C:
@@ -697,8 +697,9 @@ def float_dots4(typingctx, a, a_step, b, n, out):
     return sig, _dots_codegen(0, 1, _strided_rows)
 
 
-#: the most tokens one :func:`weight_dots` call takes: 16 accumulators in registers
-#: with AVX-512's 32, 8 (two registers each) with AVX2's 16
+#: the tokens a :func:`weight_dots` call is best given at most: 16 accumulators in
+#: registers with AVX-512's 32, 8 (two registers each) with AVX2's 16 (it takes up to 4
+#: on every CPU: more spill, the same bits)
 WEIGHT_DOT_TOKENS = 4 if HOST_ISA == "avx512vnni" else 2
 
 
@@ -706,12 +707,13 @@ WEIGHT_DOT_TOKENS = 4 if HOST_ISA == "avx512vnni" else 2
 def weight_dots(typingctx, a0, a1, a2, a3, b, b_step, n, out, bits, ntok):
     """``out[4 t + j] = sum_i a_j[i] * b[t * b_step + i]`` for four weight rows at the
     addresses ``a0 .. a3`` of IEEE halves (``bits`` 16: ``vcvtph2ps``) or bfloat16
-    (``bits`` -16) and ``ntok`` float32 token rows (1 to :data:`WEIGHT_DOT_TOKENS`),
+    (``bits`` -16) and ``ntok`` float32 token rows (1 to 4; :data:`WEIGHT_DOT_TOKENS`
+    the most this CPU keeps in registers),
     over ``n`` elements: each row widened once for all the tokens, each ``(t, j)`` the
     float32 steps :func:`float_dots4` takes for one token, whatever ``ntok``. F16 needs
     F16C (without it: a trap, never reached: `kernels.quant.float_rows`)."""
     kind = _literal(bits, (16, -16))
-    nt = _literal(ntok, tuple(range(1, WEIGHT_DOT_TOKENS + 1)))
+    nt = _literal(ntok, (1, 2, 3, 4))
     if kind is None or nt is None:
         return None
     u, i = types.uintp, types.intp

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from kernels.quant.float_rows import float_rows, float_rows_supported
+from tests.child_process import run_json
 
 
 def _weight(qtype, n: int, k: int, seed: int):
@@ -78,3 +81,38 @@ def test_parts_in_one_call_give_each_parts_own_bits(qtype):
             for p in parts
         ]
         assert np.array_equal(together, np.concatenate(alone, axis=1))
+
+
+_ISA_SCRIPT = """
+import json, numpy as np
+from gguf import GGMLQuantizationType as Q
+from kernels.quant.float_rows import float_rows, float_rows_supported
+from kernels.quant.simd import HOST_ISA
+rng = np.random.default_rng(3)
+x = rng.standard_normal((7, 1100)).astype(np.float32)
+out = {"isa": HOST_ISA}
+for q in (Q.F16, Q.BF16):
+    if float_rows_supported(q):
+        w = rng.standard_normal((10, 1100)).astype(np.float32) * 0.05
+        bits = w.astype(np.float16) if q == Q.F16 else (w.view(np.uint32) >> 16).astype(np.uint16)
+        y = float_rows([bits, bits[:3]], q, x, np.empty((7, 13), np.float32), 2)
+        out[q.name] = y.view(np.uint32).tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_every_isa_compiles_the_kernel_and_gives_its_bits(isa):
+    """On CPUs without AVX-512 the kernel takes fewer tokens a call (its accumulators in
+    16 registers), and compiles there too: the same bits as on this CPU, token blocks of
+    another size and all."""
+    from kernels.quant.simd import HOST_ISA, ISA_CODES
+
+    if ISA_CODES[isa] > ISA_CODES[HOST_ISA]:
+        pytest.skip(f"this CPU has no {isa}")
+    here = run_json(
+        _ISA_SCRIPT, env={k: v for k, v in os.environ.items() if k != "FOLIO_QUANT_ISA"}
+    )
+    there = run_json(_ISA_SCRIPT, env=dict(os.environ, FOLIO_QUANT_ISA=isa))
+    assert there["isa"] == isa
+    assert there == {**here, "isa": isa}
