@@ -198,7 +198,7 @@ def _q4_k_block_amx(f, blk, r_a, x_tok, scratch):
     def token_steps(c: int) -> None:
         """Run ``c``'s per-token steps (:func:`~kernels.quant.tile_layout.q4_k_run`), from
         C area ``c % 2``."""
-        scf = layout.q4_k_scales(b, b.add(r_a, I64(layout._SC + 32 * c)))
+        scf = layout.q4_k_scales(b, r_a, c)
         area = b.add(c_at, I64(2048 * (c % 2)))
         for t in range(nt):
             dots = [_load(b, b.add(area, I64(1024 * h + 64 * t)), v16i, 64) for h in range(2)]

@@ -15,10 +15,13 @@ from kernels.quant.superblock import KBLOCK_CODES, KBLOCK_KINDS, _load
 
 # bytes of a super-block in the file, by kind
 Q4_K_BLOCK, Q6_K_BLOCK = (KBLOCK_KINDS[KBLOCK_CODES[k]][1] for k in ("Q4_K", "Q6_K"))
-# A tile's record per super-block: d[16] f16, dmin[16] f16, scales[8][16] u8,
-# mins[8][16] u8, then the codes: 64 bytes per (c, k), c < 4 the 64-element group, k < 8,
-# row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
-_D, _DMIN, _SC, _MIN, _QS = 0, 32, 64, 192, 320
+# A tile's record per super-block, 2,304 bytes: the rows' 16 super-blocks as in the file
+# (the scales and mins in 6 bits, as the file packs them). d[16] f16, dmin[16] f16;
+# low[8][16] u8, row r's byte j the low four bits of sub-block j's scale (and in its high
+# four, of its min); top[16] u32, row r's dword the top two bits of scale j at bit 2j
+# and of min j at 16 + 2j; then the codes: 64 bytes per (c, k), c < 4 the 64-element
+# group, k < 8, row r's bytes 32c + 4k .. 32c + 4k + 3 at 4r
+_D, _DMIN, _LOW, _TOP, _QS = 0, 32, 64, 192, 256
 RECORD = _QS + 32 * 64
 # Q6_K's record: d[16] f16, scales[16][16] i8, then per sub-block s (16 elements, 4
 # vectors of 4: u < 4): two 64-byte vectors of low nibbles (row r's dword at 4r: the
@@ -106,9 +109,33 @@ def _bytes16(builder, addr, signed: bool = False):
     return builder.sext(v, _vec(I32, 16)) if signed else builder.zext(v, _vec(I32, 16))
 
 
-def q4_k_scales(b, sc_at) -> list:
-    """A run's two sub-blocks' scales (16 rows' bytes each at ``sc_at``) as float32."""
-    return [b.sitofp(_bytes16(b, b.add(sc_at, I64(16 * h))), V16) for h in range(2)]
+def q4_k_scales(b, r_a, c) -> list:
+    """Run ``c``'s two sub-blocks' scales (2c and 2c + 1; ``c`` an int or an i64 value)
+    of the record at ``r_a``, 16 rows each, as float32: their low four bits from
+    ``low``, the top two from ``top`` (:data:`RECORD`)."""
+    c = I64(c) if isinstance(c, int) else c
+    # the top bits of scale j at bits 4, 5 after a right shift by 2j
+    top = b.shl(_load(b, b.add(r_a, I64(_TOP)), _vec(I32, 16), 64), _const(4))
+    out = []
+    for h in range(2):
+        j = b.add(b.mul(c, I64(2)), I64(h))
+        low = _bytes16(b, b.add(r_a, b.add(I64(_LOW), b.mul(j, I64(16)))))
+        shift = _splat(b, b.trunc(b.mul(j, I64(2)), I32), 16)
+        scale = b.or_(b.and_(low, _const(0x0F)), b.and_(b.lshr(top, shift), _const(0x30)))
+        out.append(b.sitofp(scale, V16))
+    return out
+
+
+def q4_k_mins(b, r_a) -> list:
+    """The record's eight sub-blocks' mins, 16 rows each, as int32 (:data:`RECORD`)."""
+    top = _load(b, b.add(r_a, I64(_TOP)), _vec(I32, 16), 64)
+    return [
+        b.or_(
+            b.lshr(_bytes16(b, b.add(r_a, I64(_LOW + 16 * s))), _const(4)),
+            b.and_(b.lshr(top, _const(12 + 2 * s)), _const(0x30)),
+        )
+        for s in range(8)
+    ]
 
 
 def q4_k_run(b, dots: list, scf: list, part_slot):
@@ -130,7 +157,7 @@ def q4_k_block_end(f: _Frame, blk, r_a):
     v16i = _vec(I32, 16)
     dpwssd = _fn(b, "llvm.x86.avx512.vpdpwssd.512", v16i, [v16i, v16i, v16i])
     d, dmin = _halves(b, b.add(r_a, I64(_D))), _halves(b, b.add(r_a, I64(_DMIN)))
-    mins = [_bytes16(b, b.add(r_a, I64(_MIN + 16 * s))) for s in range(8)]
+    mins = q4_k_mins(b, r_a)
     pairs = [b.or_(mins[2 * j], b.shl(mins[2 * j + 1], _const(16))) for j in range(4)]
     for t in range(nt):
         xd_v = f.scale(blk, t)

@@ -258,7 +258,8 @@ def test_fused_parts_equal_the_dequantized_product(qtypes):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(n)
     lin = BlockLinear(parts, bias, perm)
-    # Q4_K parts on AVX-512 VNNI: their tiles (kernels/quant/tiles.py), 2.8% more
+    # Q4_K / Q6_K parts on AVX-512 VNNI: their tiles (kernels/quant/tiles.py; Q6_K's
+    # records padded to 64-byte lines)
     resident = sum(
         tiles_nbytes(*p.shape, p.qtype.name) if tiles_supported(p.qtype.name) else p.nbytes
         for p in parts

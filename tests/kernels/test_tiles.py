@@ -16,10 +16,12 @@ from kernels.quant.linear import BlockEmbedding, BlockLinear, prompt_rows
 from kernels.quant.reference import reference_dequantize
 from kernels.quant.superblock import KBLOCK_CODES
 from kernels.quant.tiles import (
+    Q6_K_INT,
     RECORDS,
     TILE_ROWS,
     repack_parts,
     tile_rows,
+    tiles_nbytes,
     tiles_supported,
 )
 from kernels.quant.weight import QuantWeight
@@ -293,6 +295,37 @@ def test_a_loaded_models_repacked_file_bytes_leave_the_resident_set(tmp_path):
     rows = embedding(tokens)
     assert _mapped_pages(embedding.weight.data) <= 2
     assert torch.equal(rows, BlockEmbedding(embedding.weight)(tokens))
+
+
+def test_q4_k_tiles_take_the_files_bytes():
+    """A Q4_K tile record holds 16 rows' super-blocks in the file's 2,304 bytes (the
+    scales and mins in 6 bits, as the file packs them): a weight's tiles are its bytes,
+    padded to whole tiles of 16 rows only."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks(Q.Q4_K, 48, K, rng)
+    tiles = repack_parts([raw], "Q4_K")
+    assert tiles.nbytes == raw.nbytes == tiles_nbytes(48, K, "Q4_K")
+    assert tiles_nbytes(37, K, "Q4_K") == 48 * (K // 256) * 144
+
+
+def test_amx_kernel_compiles_for_a_cpu_with_amx():
+    """The AMX tile kernel's code for Sapphire Rapids, built on any machine (this one may
+    have no AMX to run it): the matrix unit's dot products, the Q4_K record's scales and
+    mins unpacked from their 6 bits (shifts and masks) and the VNNI steps that follow."""
+    import re
+
+    from numba import types
+
+    from kernels.quant.amx import tile_dot_amx
+    from tests.kernels.test_quant_matmul import _asm_for
+
+    u, i, lit = types.uintp, types.intp, types.literal
+    for kind in (KBLOCK_CODES["Q4_K"], Q6_K_INT):
+        args = [u, i, u, i, i, u, i, u, i, u, u, lit(kind), lit(True)]
+        asm = _asm_for(tile_dot_amx, args, "sapphirerapids")
+        assert "tdpbsud" in asm and "tilerelease" in asm and re.search(r"vpdpwssd\s", asm)
+        if kind == KBLOCK_CODES["Q4_K"]:
+            assert re.search(r"vpsrld\s[^\n]*%zmm", asm) and re.search(r"vpandd?\s", asm)
 
 
 @pytest.mark.skipif(not amx_ready(), reason="no AMX-INT8 here, or the tile state was refused")
