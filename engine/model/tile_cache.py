@@ -23,7 +23,9 @@ synced, so a crash or a full disk never leaves a torn file under the real name; 
 other processes left half-written is removed. The files together stay within a budget
 (:func:`default_budget`: a few models' worth, at most a quarter of the free disk), the
 least recently used deleted first; a file that does not fit is not written (the next load
-repacks again). Loading maps the file copy-on-write and never writes to it, so its pages
+repacks again). Writing a model's file deletes the model's other tile files (an earlier
+tile format after an update, an earlier version of the model file): none would be mapped
+again. Loading maps the file copy-on-write and never writes to it, so its pages
 are the page cache's, shared by every process running the model.
 
 Huge pages (Linux, a filesystem with large folios): the file is written in writes of 64
@@ -365,6 +367,11 @@ class TileCache:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
             self.status = f"repacked weights kept on disk ({total / 1e9:.2f} GB, {self.path.name})"
+            # the model's tiles from before: an earlier tile format (a Folio update) or an
+            # earlier version of the file, never mapped again
+            freed = delete_files(self._model["path"], self.directory, keep=self.path)
+            if freed:
+                log.info("deleted %.2f GB of this model's superseded tile files", freed / 1e9)
             log.info("%s", self.status)
             return True
         except OSError as exc:  # a full disk, an unwritable folder: run without the file
@@ -415,11 +422,16 @@ class TileCache:
                     pass
 
 
-def delete_files(model_path: Path | str, directory: Path | str | None = None) -> int:
-    """Delete the tile files of ``model_path`` (any version of it); bytes freed."""
+def delete_files(
+    model_path: Path | str, directory: Path | str | None = None, keep: Path | None = None
+) -> int:
+    """Delete the tile files of ``model_path`` (any version of it, any tile format) but
+    ``keep``; bytes freed."""
     want = str(Path(model_path).resolve())
     freed = 0
     for p in _tile_files(Path(directory) if directory is not None else paths.tiles_cache_dir()):
+        if p == keep:
+            continue
         try:
             with open(p, "rb") as f:
                 _magic, length, _crc = _HEADER.unpack(f.read(_HEADER.size))

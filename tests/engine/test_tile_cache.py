@@ -193,6 +193,30 @@ def test_a_model_file_rewritten_in_place_does_not_get_the_old_tiles(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(tiles, other.expected()))
 
 
+def test_a_new_tile_file_deletes_the_models_superseded_ones(tmp_path, monkeypatch):
+    """Tiles written under an earlier tile format (a Folio update) are never mapped
+    again: writing the model's new file deletes them, and leaves another model's."""
+    import engine.model.tile_cache as tc
+
+    a, b = _Model(tmp_path / "a.gguf", seed=1), _Model(tmp_path / "b.gguf", seed=2)
+    monkeypatch.setattr(tc, "TILES_FORMAT", "tiles-before")
+    for m in (a, b):
+        cache = m.cache(tmp_path / "tiles")
+        m.load(cache)
+        cache.save(wait=True)
+    old_a, old_b = (file_for(m.path, tmp_path / "tiles") for m in (a, b))
+    assert old_a.exists() and old_b.exists()
+    monkeypatch.setattr(tc, "TILES_FORMAT", "tiles-after")
+    cache = a.cache(tmp_path / "tiles")
+    assert cache.path != old_a
+    assert all(np.array_equal(t, want) for t, want in zip(a.load(cache), a.expected()))
+    assert cache.hits == 0  # the earlier format's tiles are not read
+    cache.save(wait=True)
+    assert sorted(p.name for p in (tmp_path / "tiles").iterdir()) == sorted(
+        [cache.path.name, old_b.name]
+    )
+
+
 def test_a_full_disk_leaves_no_file_and_says_so(tmp_path, monkeypatch):
     model = _Model(tmp_path / "m.gguf")
     cache = model.cache(tmp_path / "tiles")
