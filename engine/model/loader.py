@@ -34,7 +34,7 @@ from kernels.head import RescoredHead
 from kernels.int4 import int4_from_gguf, int4_from_gguf_parts, int4_supported
 from kernels.quant.float_rows import float_rows_supported
 from kernels.quant.linear import BlockEmbedding, BlockLinear
-from kernels.quant.tiles import Q6_K_INTEGER, TILES_FORMAT, repack_parts, tiles_supported
+from kernels.quant.tiles import Q6_K_INTEGER, TILES_ARITHMETIC, repack_parts, tiles_supported
 from kernels.quant.weight import QuantWeight
 
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_TYPES)
@@ -433,7 +433,7 @@ def _kernels(weight_mode: str, float_rows: bool = False) -> str:
     rows = ":fr" if float_rows else ""
     if not tiles_supported("Q4_K"):
         return rows
-    return f":{TILES_FORMAT}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "") + rows
+    return f":{TILES_ARITHMETIC}:q4k-l16:pn" + (":q6k-int" if Q6_K_INTEGER else "") + rows
 
 
 def _dense_embedding_and_head(dense, linear, gf: GGUFFile, weight_mode: str, head_bits: int):

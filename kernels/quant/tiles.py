@@ -100,6 +100,7 @@ from kernels.quant.tiles32 import call_out, call_tokens, tile_out
 
 __all__ = [
     "RECORD",
+    "TILES_ARITHMETIC",
     "TILES_FORMAT",
     "TILE_ROWS",
     "TOKEN_TILE",
@@ -124,16 +125,19 @@ Q6_K_INT = 2
 # tokens a call on; :func:`tile_rows` takes it for two tokens and more, kind 1 for one
 Q6_K_START = 3
 Q6_K_INTEGER = amx_ready()
-# names this layout and its arithmetic: tiles kept on disk and K/V pages computed with
-# them are reused only under the same (engine/model/tile_cache.py, the fingerprint).
+# names this layout: tiles kept on disk are mapped only under the same
+# (engine/model/tile_cache.py). TILES_ARITHMETIC names the bits the tiles compute: K/V
+# pages kept on disk are reused only under the same (the fingerprint, engine/model/
+# loader.py), so a new layout that computes other bits names a new arithmetic too.
 # tiles2: llama's q/k rows in the model's order (linear._row_orders), so a tile file
 # kept before (their rows in the file's order) is not mapped, nor carried into the next
 # file's index, where its stale q/k tiles would be read in at every load
 # tiles3: the blocks of 32 in tiles too (kernels/quant/tiles32.py), whose products
 # round otherwise
 # tiles4: a Q4_K record 2,304 bytes, its scales and mins in 6 bits as in the file (they
-# were a byte each: 2.8% over the file's bytes)
+# were a byte each: 2.8% over the file's bytes); the same integers, so tiles3's bits
 TILES_FORMAT = "tiles4"
+TILES_ARITHMETIC = "tiles3"
 
 
 def tiles_supported(kind_name: str) -> bool:

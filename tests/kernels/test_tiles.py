@@ -392,3 +392,18 @@ def test_each_q6_k_arithmetic_has_its_own_cache_fingerprint(monkeypatch):
         tags.add(loader._kernels("native"))
         assert loader._kernels("dequant") == ""
     assert len(tags) == 2
+
+
+def test_a_layout_with_the_same_bits_keeps_the_kv_fingerprint(monkeypatch):
+    """K/V pages kept on disk follow the tiles' arithmetic, not their layout: a new tile
+    format that computes the same bits (tiles4: Q4_K's scales in the file's 6 bits) keeps
+    the model's fingerprint, so a prompt cache kept before an update is still read; a new
+    arithmetic changes it."""
+    from engine.model import loader
+
+    before = loader._kernels("native")
+    monkeypatch.setattr(loader, "TILES_FORMAT", "tiles-next", raising=False)
+    monkeypatch.setattr("kernels.quant.tiles.TILES_FORMAT", "tiles-next")
+    assert loader._kernels("native") == before
+    monkeypatch.setattr(loader, "TILES_ARITHMETIC", "tiles-other")
+    assert loader._kernels("native") != before
